@@ -1,0 +1,67 @@
+"""tpudist: a distributed pod launcher and XLA collectives runtime for PyTorch and JAX.
+
+    import tpudist
+    tpudist.init()                                  # joins the job the launcher started
+    g = tpudist.all_reduce(grad, op="mean")         # torch / numpy / jax in, same type out
+    mesh = tpudist.mesh.make_mesh({"data": -1, "model": 2})
+    step = tpudist.compile(train_step, mesh=mesh)   # JAX function or torch.nn.Module
+
+Names are imported lazily, so `import tpudist` (and the launcher) does not import jax or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # runtime
+    "init": "tpudist._runtime",
+    "shutdown": "tpudist._runtime",
+    "is_initialized": "tpudist._runtime",
+    "process_index": "tpudist._runtime",
+    "process_count": "tpudist._runtime",
+    "local_process_index": "tpudist._runtime",
+    "local_process_count": "tpudist._runtime",
+    "devices": "tpudist._runtime",
+    "local_devices": "tpudist._runtime",
+    "spawn": "tpudist._spawn",
+    "SpawnError": "tpudist._spawn",
+    # eager and in-graph collectives
+    "all_reduce": "tpudist.collectives",
+    "all_gather": "tpudist.collectives",
+    "reduce_scatter": "tpudist.collectives",
+    "all_to_all": "tpudist.collectives",
+    "broadcast": "tpudist.collectives",
+    "collective_permute": "tpudist.collectives",
+    "barrier": "tpudist.collectives",
+    "CollectiveError": "tpudist.collectives",
+    "CollectiveTimeout": "tpudist.collectives",
+    # compiled steps
+    "compile": "tpudist.compile",
+    "compile_stats": "tpudist.compile",
+    "ShardedEmbedding": "tpudist.compile",
+    "optimizer_step": "tpudist.compile",
+    "compile_train_step": "tpudist.compile",
+    "fit": "tpudist.compile",
+}
+_SUBMODULES = ("mesh", "collectives", "compile", "launch", "testing", "nn", "contract")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tpudist.{name}")
+    raise AttributeError(f"module 'tpudist' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,181 @@
+"""Joining a job: `tpudist.init()` and the process/device queries.
+
+`init()` reads the environment contract (`tpudist.contract`) that the launcher and `tpudist.spawn`
+write, and joins JAX's multi-process runtime with process 0 as the coordinator. With nothing set it
+is a single-process job. CPU-mesh runs get `--xla_force_host_platform_device_count` and gloo
+collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from tpudist import contract
+
+log = logging.getLogger("tpudist")
+
+_lock = threading.Lock()
+_job: contract.JobEnv | None = None
+_joined_distributed = False
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _set_cpu_device_count(count: int) -> None:
+    """Sets the CPU device count in XLA_FLAGS; it only takes effect before JAX's backend starts."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    flags.append(f"{_DEVICE_COUNT_FLAG}={count}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def cache_dir(environ: Any = os.environ) -> str | None:
+    """The persistent compilation cache directory, or None when `TPUDIST_CACHE_DIR=off`."""
+    raw = environ.get(contract.CACHE_DIR)
+    if raw and raw.lower() in ("off", "0", "false", "none"):
+        return None
+    if raw:
+        return raw
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpudist", "xla")
+
+
+def _configure_jax(job: contract.JobEnv) -> None:
+    import jax
+    if job.platform:
+        jax.config.update("jax_platforms", job.platform)
+    if job.world_size > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    directory = cache_dir()
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        # Collectives are small programs: cache them too, not just the slow compiles.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def init(environ: Any = None) -> contract.JobEnv:
+    """Joins the job described by the environment contract; idempotent.
+
+    Returns this process's `JobEnv`. Example::
+
+        import tpudist
+        job = tpudist.init()
+        print(job.rank, tpudist.process_count(), len(tpudist.devices()))
+    """
+    global _job, _joined_distributed
+    with _lock:
+        if _job is not None:
+            return _job
+        job = contract.JobEnv.from_environ(os.environ if environ is None else environ)
+        if job.cpu_devices is not None:
+            if _backend_started():
+                import jax
+                have = len(jax.local_devices(backend="cpu"))
+                if have != job.cpu_devices:
+                    raise RuntimeError(
+                        f"{contract.CPU_DEVICES}={job.cpu_devices} but JAX already started with {have} "
+                        "CPU devices; call tpudist.init() before any JAX computation")
+            else:
+                _set_cpu_device_count(job.cpu_devices)
+        _configure_jax(job)
+        if job.world_size > 1:
+            import jax
+            log.debug("rank %d/%d joining coordinator %s", job.rank, job.world_size, job.coordinator)
+            try:
+                jax.distributed.initialize(
+                    coordinator_address=job.coordinator,
+                    num_processes=job.world_size,
+                    process_id=job.rank,
+                    initialization_timeout=int(max(1, job.init_timeout)),
+                )
+            except Exception as e:  # noqa: BLE001 - re-raised with the job's facts
+                raise RuntimeError(
+                    f"rank {job.rank} on {job.host or 'this host'}: could not join the job at coordinator "
+                    f"{job.coordinator} within {job.init_timeout:g}s ({e}). Check that every process was "
+                    f"started and that rank 0's host is reachable; raise {contract.INIT_TIMEOUT} "
+                    "for slow starts.") from e
+            _joined_distributed = True
+            _check_joined(job)
+        _job = job
+        return job
+
+
+def _check_joined(job: contract.JobEnv) -> None:
+    import jax
+    if jax.process_count() != job.world_size or jax.process_index() != job.rank:
+        raise RuntimeError(f"JAX reports process {jax.process_index()} of {jax.process_count()}, but "
+                           f"the job says rank {job.rank} of {job.world_size}")
+
+
+def is_initialized() -> bool:
+    """Whether `init()` has run in this process."""
+    return _job is not None
+
+
+def job() -> contract.JobEnv:
+    """This process's job; joins it first if needed."""
+    return _job if _job is not None else init()
+
+
+def shutdown() -> None:
+    """Leaves the job: shuts JAX's distributed runtime down. Safe to call more than once."""
+    global _job, _joined_distributed
+    with _lock:
+        if _joined_distributed:
+            import jax
+            from tpudist.collectives import _engine
+            _engine.reset()
+            jax.distributed.shutdown()
+            _joined_distributed = False
+        _job = None
+
+
+def process_index() -> int:
+    """This process's rank in the job (0 on a single-process job)."""
+    return job().rank
+
+
+def process_count() -> int:
+    """Number of processes in the job."""
+    return job().world_size
+
+
+def local_process_index() -> int:
+    """This process's index among the processes of its host."""
+    return job().local_rank
+
+
+def local_process_count() -> int:
+    """Number of processes on this host."""
+    return job().local_world_size
+
+
+def devices() -> list[Any]:
+    """Every XLA device of every process, in JAX's global order."""
+    job()
+    import jax
+    return jax.devices()
+
+
+def local_devices() -> list[Any]:
+    """This process's XLA devices."""
+    job()
+    import jax
+    return jax.local_devices()
+
+
+def kv_client() -> Any:
+    """The coordination service client (key-value store, barriers); None in a single-process job."""
+    job()
+    if not _joined_distributed:
+        return None
+    from jax._src import distributed
+    return distributed.global_state.client

@@ -1,0 +1,200 @@
+"""`tpudist.spawn`: run a function in N local processes joined into one job (like `xmp.spawn`)."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from tpudist import contract
+
+_GRACE_SECONDS = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+class SpawnError(RuntimeError):
+    """A spawned process failed; carries its index, exit code and traceback."""
+
+    def __init__(self, index: int, exitcode: int | None, detail: str):
+        self.index = index
+        self.exitcode = exitcode
+        self.detail = detail
+        super().__init__(f"process {index} of tpudist.spawn failed ({_describe_exit(exitcode)}):\n{detail}")
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the spawning parent dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str],
+           parent_pid: int, init: bool, conn: Connection) -> None:
+    os.setpgrp()  # own process group: the parent stops this process and everything it started
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    os.environ.update(env)
+    try:
+        if init:
+            import tpudist
+            tpudist.init()
+        result = fn(index, *args)
+        # Plain pickle: torch's multiprocessing pickler would share tensors through file
+        # descriptors that vanish when this process exits.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent whatever it is
+        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            conn.send_bytes(pickle.dumps(("error", detail)))
+        finally:
+            conn.close()
+            sys.stderr.flush()
+            os._exit(1)
+    conn.close()
+
+
+def _stop(procs: list[mp.process.BaseProcess], grace: float = _GRACE_SECONDS) -> None:
+    """SIGTERM every process group, wait up to `grace` seconds, then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if all(p.exitcode is not None for p in procs):
+            return
+    # Grandchildren left in a group whose leader already exited.
+    for p in procs:
+        if p.pid is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
+          cpu_devices: int | None = None, env: dict[str, str] | None = None,
+          timeout: float | None = None, init: bool = True) -> list[Any]:
+    """Runs `fn(index, *args)` in `nprocs` local processes joined into one job; returns their results.
+
+    Each process gets the environment contract (rank = index) and, with `cpu_devices=K`, K XLA CPU
+    devices; with `init=True` it calls `tpudist.init()` before `fn`. `fn` and `args` must be
+    picklable (a module-level function). If one process fails, the others are stopped and
+    `SpawnError` carries the failing index and its traceback; nothing is left running. `timeout`
+    (seconds) bounds the whole run. Example::
+
+        def work(index, scale):
+            return tpudist.all_reduce(np.float32(index * scale))
+
+        assert tpudist.spawn(work, args=(2.0,), nprocs=2) == [2.0, 2.0]
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    if cpu_devices is not None and (not isinstance(cpu_devices, int) or cpu_devices < 1):
+        raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
+    ctx = mp.get_context("spawn")
+    coordinator = f"127.0.0.1:{free_port()}"
+    master_port = free_port()
+    job_id = uuid.uuid4().hex[:12]
+    procs: list[mp.process.BaseProcess] = []
+    conns: dict[Connection, int] = {}
+    results: dict[int, Any] = {}
+    for index in range(nprocs):
+        job = contract.JobEnv(
+            rank=index, world_size=nprocs, local_rank=index, local_world_size=nprocs,
+            coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
+            host="localhost", cpu_devices=cpu_devices,
+            platform="cpu" if cpu_devices is not None else None, job_id=job_id)
+        child_env = {**(env or {}), **job.to_environ()}
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",
+                        args=(index, fn, tuple(args), child_env, os.getpid(), init, writer))
+        p.start()
+        writer.close()
+        procs.append(p)
+        conns[reader] = index
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failure: SpawnError | None = None
+    try:
+        pending = {p.sentinel: i for i, p in enumerate(procs)}
+        while pending or conns:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                running = sorted(set(pending.values()))
+                raise TimeoutError(f"tpudist.spawn: processes {running} still running after {timeout:g}s")
+            ready = wait(list(pending) + list(conns), timeout=left if left is None else min(left, 1.0))
+            for obj in ready:
+                if obj in conns:
+                    index = conns.pop(obj)
+                    try:
+                        status, payload = pickle.loads(obj.recv_bytes())
+                    except EOFError:
+                        continue  # died without reporting; its exit code tells
+                    if status == "ok":
+                        results[index] = payload
+                    elif failure is None:
+                        procs[index].join(timeout=10)
+                        failure = SpawnError(index, procs[index].exitcode, payload)
+                elif obj in pending:
+                    index = pending.pop(obj)
+                    p = procs[index]
+                    p.join(timeout=1)
+                    if p.exitcode != 0 and failure is None and index not in results:
+                        # Give its traceback a moment to arrive through the pipe.
+                        for c, i in list(conns.items()):
+                            if i == index and c.poll(1.0):
+                                try:
+                                    status, payload = pickle.loads(c.recv_bytes())
+                                except EOFError:
+                                    payload = None
+                                conns.pop(c)
+                                if payload:
+                                    failure = SpawnError(index, p.exitcode, payload)
+                        if failure is None:
+                            failure = SpawnError(index, p.exitcode, "(no Python traceback; see the "
+                                                 "process's stderr above)")
+            if failure is not None:
+                break
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+    if failure is not None:
+        raise failure
+    return [results.get(i) for i in range(nprocs)]

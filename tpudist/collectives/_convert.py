@@ -1,0 +1,105 @@
+"""Crossing between user values (torch tensors, numpy arrays, jax arrays, Python scalars, and
+lists / tuples / dicts of them) and the per-process XLA buffers the collectives run on.
+
+torch tensors cross through DLPack without a copy in both directions; numpy results are copied
+once so that the caller gets an ordinary writable array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+# Python scalar type -> the numpy dtype it travels as (the result converts back to the Python type).
+_SCALARS = {bool: np.bool_, int: np.int64, float: np.float64}
+
+SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
+    "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")) + (
+    np.dtype(jax.numpy.bfloat16),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array-like of the user's input: how it came in, so the result goes back the same way."""
+
+    kind: str  # "torch", "numpy", "numpy_scalar", "jax", "scalar"
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    py_type: type | None = None  # for "scalar": bool, int or float
+    torch_dtype: Any = None
+
+
+_TORCH_DTYPES = {name: np.dtype(name) for name in (
+    "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")}
+_TORCH_DTYPES["bfloat16"] = np.dtype(jax.numpy.bfloat16)
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def describe(x: Any) -> Leaf:
+    """Classifies one leaf; TypeError for what the collectives do not take."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.is_sparse or x.is_complex():
+            raise TypeError(f"tpudist collectives take dense real tensors, got {x.layout} {x.dtype}")
+        dtype = _TORCH_DTYPES.get(str(x.dtype).removeprefix("torch."))
+        if dtype is None:
+            _checked(np.dtype(object), x)
+        return Leaf("torch", tuple(x.shape), _checked(np.dtype(dtype), x), torch_dtype=x.dtype)
+    if isinstance(x, jax.Array):
+        return Leaf("jax", tuple(x.shape), _checked(np.dtype(x.dtype), x))
+    if isinstance(x, np.ndarray):
+        return Leaf("numpy", x.shape, _checked(x.dtype, x))
+    if isinstance(x, np.generic):
+        return Leaf("numpy_scalar", (), _checked(x.dtype, x))
+    if type(x) in _SCALARS:
+        return Leaf("scalar", (), np.dtype(_SCALARS[type(x)]), py_type=type(x))
+    raise TypeError(f"tpudist collectives take torch tensors, numpy arrays, jax arrays, Python "
+                    f"scalars, or lists/tuples/dicts of them; got {type(x).__name__}")
+
+
+def _checked(dtype: np.dtype, x: Any) -> np.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
+        got = getattr(x, "dtype", dtype)
+        raise TypeError(f"dtype {got} of a {type(x).__name__} is not supported by tpudist "
+                        f"collectives; use one of: {names}")
+    return dtype
+
+
+def to_block(x: Any, leaf: Leaf, device: Any) -> jax.Array:
+    """The leaf as a (1, 1, *shape) buffer on `device`: the block this process contributes."""
+    block_shape = (1, 1) + leaf.shape
+    if leaf.kind == "torch":
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(block_shape)
+        arr = jax.dlpack.from_dlpack(t)
+        if arr.devices() != {device}:
+            arr = jax.device_put(arr, device)
+        return arr
+    if leaf.kind == "jax":
+        return jax.device_put(x.reshape(block_shape), device)
+    return jax.device_put(np.asarray(x, dtype=leaf.dtype).reshape(block_shape), device)
+
+
+def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...]) -> Any:
+    """Converts this process's result block back to the leaf's kind, with the result's shape."""
+    if leaf.kind == "torch":
+        torch = _torch()
+        return torch.from_dlpack(block).reshape(shape)
+    if leaf.kind == "jax":
+        return block.reshape(shape)
+    out = np.array(block).reshape(shape)  # a copy: XLA's buffer is read-only to numpy
+    if leaf.kind == "numpy_scalar":
+        return out[()]
+    if leaf.kind == "scalar":
+        return leaf.py_type(out[()])
+    return out

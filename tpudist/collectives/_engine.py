@@ -1,0 +1,319 @@
+"""The collective engine: one XLA executable per collective signature, run on one device per process.
+
+Every process contributes one block (its value) on its first local device. The participating
+devices form a (group, slot) mesh: row g holds the processes of replica group g, so a collective
+over the "slot" axis runs inside each group and every process gets its own group's result. One
+executable is compiled per signature (collective, parameters, groups, shapes, dtypes) and cached.
+
+Mismatches and missing peers become errors rather than hangs:
+- the first time a process sees a signature, it publishes it in the coordinator's key-value store
+  and compares it with every peer's at the same position in the sequence of collectives;
+- every run waits with a deadline; a process still waiting after a second records its arrival, so
+  that on timeout the message names the ranks that never came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tpudist import _runtime, contract
+
+log = logging.getLogger("tpudist.collectives")
+
+SLOT = "s"  # mesh axis inside a replica group
+GROUP = "g"  # mesh axis across replica groups
+_SPEC = P(GROUP, SLOT)
+_SPIN_SECONDS = 0.0003  # short collectives finish within this; longer ones go to the waiter thread
+_ARRIVAL_AFTER = 1.0  # seconds of waiting after which a process records that it arrived
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot run: peers disagree, or an earlier collective failed."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """Peers did not reach a collective within the deadline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One collective call: its name and parameters, and the function its executable runs.
+
+    `body(blocks, slots)` gets every leaf's local block, shaped (1, 1, *shape), inside a
+    shard_map over the (group, slot) mesh, where `slots` is the group size; it returns one block
+    per leaf.
+    """
+
+    name: str
+    params: tuple[tuple[str, Any], ...]
+    body: Callable[[list[jax.Array], int], list[jax.Array]]
+
+
+def normalize_groups(groups: Sequence[Sequence[int]] | None, n: int) -> tuple[tuple[int, ...], ...]:
+    """Validates torch_xla-style replica groups; None means one group of every process."""
+    if groups is None:
+        return (tuple(range(n)),)
+    try:
+        norm = tuple(tuple(int(r) for r in g) for g in groups)
+    except TypeError:
+        raise TypeError(f"groups={groups!r} must be a list of lists of process indices, "
+                        "such as [[0, 1], [2, 3]]") from None
+    sizes = {len(g) for g in norm}
+    if not norm or 0 in sizes:
+        raise ValueError(f"groups={groups!r} must be non-empty lists of process indices")
+    if len(sizes) != 1:
+        raise ValueError(f"groups={groups!r} have different sizes {sorted(sizes)}; every replica "
+                         "group must have the same number of processes")
+    members = [r for g in norm for r in g]
+    if sorted(members) != list(range(n)):
+        dup = sorted({r for r in members if members.count(r) > 1})
+        missing = sorted(set(range(n)) - set(members))
+        extra = sorted({r for r in members if not 0 <= r < n})
+        why = "; ".join(s for s in (
+            f"{dup} appear more than once" if dup else "",
+            f"{missing} are in no group" if missing else "",
+            f"{extra} are not process indices (0..{n - 1})" if extra else "") if s)
+        raise ValueError(f"groups={groups!r} must partition the {n} processes of the job: {why}")
+    return norm
+
+
+class _Waiter:
+    """A daemon thread that blocks on XLA results, so the caller can wait with a deadline."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="tpudist-collective-waiter", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            outs, done, errors = self._jobs.get()
+            try:
+                jax.block_until_ready(outs)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+            done.set()
+
+    def submit(self, outs: Any) -> tuple[threading.Event, list[BaseException]]:
+        done, errors = threading.Event(), []
+        self._jobs.put((outs, done, errors))
+        return done, errors
+
+
+class Engine:
+    """Compiles, checks and runs collectives for this process. One per job (see `engine()`)."""
+
+    def __init__(self) -> None:
+        job = _runtime.job()
+        self.rank, self.n = job.rank, job.world_size
+        self.host = job.host or socket.gethostname()
+        self.timeout = job.collective_timeout
+        self.kv = _runtime.kv_client()
+        self.prefix = f"tpudist/{job.job_id or 'job'}/c"
+        self.device = jax.local_devices()[0]
+        first: dict[int, Any] = {}
+        for d in sorted(jax.devices(), key=lambda d: d.id):
+            first.setdefault(d.process_index, d)
+        self.process_devices = [first[p] for p in range(self.n)]
+        self.seq = 0
+        self.stats = {"compiles": 0, "calls": 0, "compile_seconds": 0.0}
+        self._cache: dict[Any, Any] = {}
+        self._meshes: dict[Any, tuple[Mesh, tuple[int, int]]] = {}
+        self._lock = threading.Lock()
+        self._waiter: _Waiter | None = None
+        self._broken: str | None = None
+
+    # -- public entry ---------------------------------------------------------------------------
+
+    def run(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array],
+            timeout: float | None = None) -> list[jax.Array]:
+        """Runs `op` on this process's blocks; returns this process's result blocks."""
+        with self._lock:
+            if self._broken:
+                raise CollectiveError(f"rank {self.rank} on {self.host}: collectives are unusable "
+                                      f"after an earlier failure ({self._broken}); restart the job")
+            self.seq += 1
+            seq = self.seq
+            limit = timeout or self.timeout
+            deadline = time.monotonic() + limit
+            mesh, (gi, si) = self._mesh(groups)
+            key = (op.name, op.params, groups, tuple((b.shape, b.dtype) for b in blocks))
+            compiled = self._cache.get(key)
+            if compiled is None:
+                if self.kv is not None:
+                    self._check_peers(seq, op, groups, blocks, deadline, limit)
+                compiled = self._compile(op, mesh, blocks)
+                self._cache[key] = compiled
+            sharding = NamedSharding(mesh, _SPEC)
+            global_shape = (len(groups), len(groups[0]))
+            inputs = [jax.make_array_from_single_device_arrays(global_shape + b.shape[2:], sharding, [b])
+                      for b in blocks]
+            outs = [o.addressable_data(0) for o in compiled(*inputs)]
+            self.stats["calls"] += 1
+            self._wait(outs, deadline, seq, op, limit)
+            return outs
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _mesh(self, groups: tuple[tuple[int, ...], ...]) -> tuple[Mesh, tuple[int, int]]:
+        found = self._meshes.get(groups)
+        if found is None:
+            devices = np.array([[self.process_devices[r] for r in g] for g in groups])
+            where = next((gi, si) for gi, g in enumerate(groups) for si, r in enumerate(g) if r == self.rank)
+            found = self._meshes[groups] = (Mesh(devices, (GROUP, SLOT)), where)
+        return found
+
+    def _compile(self, op: Op, mesh: Mesh, blocks: list[jax.Array]) -> Any:
+        slots = mesh.shape[SLOT]
+        sharding = NamedSharding(mesh, _SPEC)
+        lead = (mesh.shape[GROUP], slots)
+        avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
+        fn = jax.shard_map(lambda *xs: list(op.body(list(xs), slots)), mesh=mesh,
+                           in_specs=tuple(_SPEC for _ in blocks), out_specs=[_SPEC] * len(blocks))
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(*avals).compile()
+        seconds = time.perf_counter() - start
+        self.stats["compiles"] += 1
+        self.stats["compile_seconds"] += seconds
+        log.debug("compiled %s%s for %s in %.3fs", op.name, dict(op.params), [a.shape for a in avals], seconds)
+        return compiled
+
+    def _signature(self, op: Op, groups: Any, blocks: list[jax.Array]) -> dict[str, Any]:
+        return {
+            "collective": op.name,
+            **{k: repr(v) for k, v in op.params},
+            "groups": [list(g) for g in groups],
+            "number of values": len(blocks),
+            "shapes": [list(b.shape[2:]) for b in blocks],
+            "dtypes": [str(b.dtype) for b in blocks],
+        }
+
+    def _check_peers(self, seq: int, op: Op, groups: Any, blocks: list[jax.Array], deadline: float,
+                     limit: float) -> None:
+        mine = self._signature(op, groups, blocks)
+        base = f"{self.prefix}/sig/{seq}/"
+        self.kv.key_value_set(base + str(self.rank), json.dumps(mine))
+        for r in range(self.n):
+            if r == self.rank:
+                continue
+            left_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
+            try:
+                theirs = json.loads(self.kv.blocking_key_value_get(base + str(r), left_ms))
+            except Exception:  # noqa: BLE001 - the coordination service's timeout error
+                missing = [q for q in range(self.n) if q != self.rank and not self._has(base + str(q))]
+                raise self._timeout_error(seq, op, missing, "checking the collective's signature",
+                                          limit) from None
+            for field, value in mine.items():
+                if theirs.get(field) != value:
+                    raise CollectiveError(
+                        f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) {field} "
+                        f"{_show(value)} differs from rank {r}'s {_show(theirs.get(field))}; every "
+                        "process must call the same collectives in the same order with the same "
+                        "shapes, dtypes and parameters")
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.kv.key_value_try_get(key) is not None
+        except Exception:  # noqa: BLE001 - NOT_FOUND
+            return False
+
+    def _wait(self, outs: list[jax.Array], deadline: float, seq: int, op: Op, limit: float) -> None:
+        spin_until = time.perf_counter() + _SPIN_SECONDS
+        while time.perf_counter() < spin_until:
+            if all(o.is_ready() for o in outs):
+                return
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        done, errors = self._waiter.submit(outs)
+        waited, arrived = 0.0, False
+        while not done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = self._missing(seq) if self.kv is not None else []
+                self._broken = f"{op.name} (collective #{seq}) timed out"
+                raise self._timeout_error(seq, op, missing, "waiting for peers", limit)
+            step = min(left, _ARRIVAL_AFTER)
+            done.wait(step)
+            waited += step
+            if not arrived and waited >= _ARRIVAL_AFTER and self.kv is not None:
+                self._arrive(seq)
+                arrived = True
+        if errors:
+            self._broken = f"{op.name} (collective #{seq}) failed: {errors[0]}"
+            raise CollectiveError(f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) "
+                                  f"failed: {errors[0]}") from errors[0]
+
+    def _arrive(self, seq: int) -> None:
+        try:
+            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - best effort; only improves the timeout message
+            pass
+
+    def _missing(self, seq: int) -> list[int]:
+        self._arrive(seq)
+        time.sleep(min(2.0, _ARRIVAL_AFTER + 0.5))  # let peers that are also waiting record arrival
+        base = f"{self.prefix}/arrive/{seq}/"
+        return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
+
+    def _timeout_error(self, seq: int, op: Op, missing: list[int], doing: str,
+                       limit: float) -> CollectiveTimeout:
+        who = f"ranks {missing} did not arrive" if missing else "peers did not finish"
+        return CollectiveTimeout(
+            f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) timed out after "
+            f"{limit:g}s {doing}: {who} (crashed, stuck, or called a different collective). "
+            f"Raise {contract.COLLECTIVE_TIMEOUT} (or pass timeout=) if steps are slow.")
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Waits until every process reaches this barrier, or raises CollectiveTimeout."""
+        with self._lock:
+            self.seq += 1
+            if self.kv is None:
+                return
+            seq, limit = self.seq, timeout or self.timeout
+            self._arrive(seq)
+            try:
+                self.kv.wait_at_barrier(f"{self.prefix}/barrier/{seq}", int(limit * 1000))
+            except Exception:  # noqa: BLE001 - the coordination service's timeout error
+                base = f"{self.prefix}/arrive/{seq}/"
+                missing = [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
+                raise self._timeout_error(seq, Op("barrier", (), lambda b, s: b), missing,
+                                          "at the barrier", limit) from None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return ", ".join(str(tuple(v)) for v in value)
+    if isinstance(value, list):
+        return str(tuple(value))
+    return str(value)
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def engine() -> Engine:
+    """This process's engine, created on first use (joining the job if needed)."""
+    global _engine
+    if _engine is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = Engine()
+    return _engine
+
+
+def reset() -> None:
+    """Drops the engine (at shutdown): its executables belong to the runtime being closed."""
+    global _engine
+    _engine = None

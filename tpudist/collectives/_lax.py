@@ -1,0 +1,106 @@
+"""The collectives as functions of one value over a named mesh axis (usable inside jit/shard_map).
+
+The eager collectives run these over the engine's slot axis; `tpudist.all_reduce(x, axis="data")`
+inside a compiled step runs them over a user mesh axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _wire(x: jax.Array) -> jax.Array:
+    """A dtype every CPU collective implementation moves: bool travels as uint8."""
+    return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+
+
+def reduce(x: jax.Array, op: str, axis: str, size: int, scale: float = 1.0) -> jax.Array:
+    """All-reduce of `x` over `axis` (of `size` participants)."""
+    dtype = x.dtype
+    if op == "prod":
+        out = jnp.prod(lax.all_gather(x, axis), axis=0).astype(dtype)
+    elif dtype == jnp.bool_:
+        out = (lax.pmax if op == "max" else lax.pmin)(_wire(x), axis).astype(dtype)
+    elif op in ("max", "min"):
+        out = (lax.pmax if op == "max" else lax.pmin)(x, axis)
+    else:
+        # Half-precision sums accumulate in float32, as torch's reductions do.
+        wide = x.astype(jnp.float32) if dtype in _LOW_PRECISION else x
+        out = lax.psum(wide, axis)
+        if op == "mean":
+            out = out / size
+        out = out.astype(dtype)
+    if scale != 1.0:
+        out = (out * jnp.asarray(scale, dtype)).astype(dtype)
+    return out
+
+
+def gather(x: jax.Array, dim: int, axis: str) -> jax.Array:
+    """All-gather along tensor dimension `dim` (a 0-d value gathers into shape (size,))."""
+    if x.ndim == 0:
+        return lax.all_gather(_wire(x), axis).astype(x.dtype)
+    return lax.all_gather(_wire(x), axis, axis=dim, tiled=True).astype(x.dtype)
+
+
+def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale: float = 1.0) -> jax.Array:
+    """Reduces over `axis` and leaves participant i with chunk i of dimension `dim`."""
+    dtype = x.dtype
+    if op in ("sum", "mean") and dtype not in _LOW_PRECISION:
+        out = lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+        if op == "mean":
+            out = (out / size).astype(dtype)
+    else:
+        # Exchange chunks (all_to_all), then reduce the `size` received chunks locally.
+        chunk = x.shape[dim] // size
+        parts = jnp.moveaxis(x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:]), dim, 0)
+        received = lax.all_to_all(_wire(parts), axis, 0, 0).astype(dtype)
+        out = _local_reduce(received, op, size)
+    if scale != 1.0:
+        out = (out * jnp.asarray(scale, dtype)).astype(dtype)
+    return out
+
+
+def _local_reduce(stacked: jax.Array, op: str, size: int) -> jax.Array:
+    dtype = stacked.dtype
+    if op in ("sum", "mean"):
+        total = jnp.sum(stacked.astype(jnp.float32) if dtype in _LOW_PRECISION else stacked, axis=0)
+        return (total / size if op == "mean" else total).astype(dtype)
+    if op == "prod":
+        return jnp.prod(stacked, axis=0).astype(dtype)
+    return (jnp.max if op == "max" else jnp.min)(stacked, axis=0)
+
+
+def all_to_all(x: jax.Array, split_dim: int, concat_dim: int, axis: str) -> jax.Array:
+    """Splits `split_dim` into one chunk per participant, exchanges, concatenates on `concat_dim`."""
+    return lax.all_to_all(_wire(x), axis, split_dim, concat_dim, tiled=True).astype(x.dtype)
+
+
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def broadcast(x: jax.Array, src: int, axis: str) -> jax.Array:
+    """Every participant gets participant `src`'s value, bit for bit.
+
+    Implemented as a sum in which only `src` contributes non-zero integers (the value's bits), so
+    it moves one value's worth of data and keeps -0.0 and NaN payloads intact.
+    """
+    bits = _BITS[x.dtype.itemsize]
+    raw = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, bits)
+    wide = raw.astype(jnp.int32) if raw.dtype.itemsize < 4 else raw
+    mine = jnp.where(lax.axis_index(axis) == src, wide, jnp.zeros_like(wide))
+    summed = lax.psum(mine, axis).astype(raw.dtype)
+    if x.dtype == jnp.bool_:
+        return summed.astype(jnp.bool_)
+    return lax.bitcast_convert_type(summed, x.dtype)
+
+
+def permute(x: jax.Array, pairs: Sequence[tuple[int, int]], axis: str) -> jax.Array:
+    """Sends each source's value to its destination; participants that receive nothing get zeros."""
+    return lax.ppermute(_wire(x), axis, perm=list(pairs)).astype(x.dtype)

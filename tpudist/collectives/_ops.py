@@ -1,0 +1,238 @@
+"""The public collectives. Each works eagerly across processes, or in-graph over a mesh axis.
+
+Eager: call from ordinary code on every process; participants are processes (rank = process
+index); `x` is a torch tensor, numpy array, jax array, Python scalar, or a list / tuple / dict of
+them, and the result has the same structure, kinds, dtypes. With `groups` (torch_xla's replica
+groups, e.g. [[0, 1], [2, 3]]) each process gets its own group's result.
+
+In-graph: pass `axis="data"` inside `tpudist.compile` / `jax.jit(shard_map(...))` and the
+collective runs over that mesh axis (`groups` does not apply there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tpudist.collectives import _convert, _lax
+from tpudist.collectives._engine import SLOT, Op, engine, normalize_groups
+
+_FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
+def _check_op(op: str, dtypes: Sequence[Any], scale: float) -> None:
+    if op not in _lax.REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not a reduction tpudist knows; use one of {', '.join(_lax.REDUCE_OPS)}")
+    for dtype in dtypes:
+        if dtype == jnp.bool_ and op not in ("max", "min"):
+            raise TypeError(f"op={op!r} is not defined for bool values; use op='max' (any) or op='min' (all)")
+        if dtype not in _FLOATS and op == "mean":
+            raise TypeError(f"op='mean' needs floating-point values, got {dtype}; use op='sum' and divide")
+        if dtype not in _FLOATS and scale != 1.0:
+            raise TypeError(f"scale={scale} needs floating-point values, got {dtype}")
+
+
+def _dim(dim: int, ndim: int, what: str) -> int:
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise ValueError(f"{what}={dim} is out of range for a value with {ndim} dimensions")
+    return dim % max(ndim, 1)
+
+
+def _divisible(leaf: _convert.Leaf, dim: int, size: int, what: str) -> None:
+    if leaf.shape[dim] % size:
+        raise ValueError(f"{what}: dimension {dim} of shape {leaf.shape} has size {leaf.shape[dim]}, "
+                         f"which does not split into {size} equal chunks (one per process of the group); "
+                         f"pad it to a multiple of {size}")
+
+
+def _eager(name: str, params: dict[str, Any], x: Any, groups: Any, timeout: float | None,
+           body: Callable[[list[jax.Array], int], list[jax.Array]],
+           check: Callable[[list[_convert.Leaf], int], None] | None = None) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not leaves:
+        return x
+    descs = [_convert.describe(leaf) for leaf in leaves]
+    eng = engine()
+    norm = normalize_groups(groups, eng.n)
+    if check is not None:
+        check(descs, len(norm[0]))
+    op = Op(name, tuple(sorted(params.items())), body)
+    with jax.enable_x64(True):
+        blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
+        outs = eng.run(op, norm, blocks, timeout)
+        results = [_convert.from_block(o, d, o.shape[2:]) for o, d in zip(outs, descs)]
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def _per_block(fn: Callable[[jax.Array, int], jax.Array]) -> Callable[[list[jax.Array], int], list[jax.Array]]:
+    """Lifts fn(value, size) -> value to the engine's (1, 1, *shape) blocks."""
+    def body(blocks: list[jax.Array], size: int) -> list[jax.Array]:
+        outs = []
+        for b in blocks:
+            out = fn(b[0, 0], size)
+            outs.append(out.reshape((1, 1) + out.shape))
+        return outs
+    return body
+
+
+def _in_graph(x: Any, groups: Any, fn: Callable[[Any], Any]) -> Any:
+    if groups is not None:
+        raise ValueError("pass either axis= (in-graph, inside a compiled step) or groups= (eager), not both")
+    return jax.tree_util.tree_map(fn, x)
+
+
+def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None = None,
+               scale: float = 1.0, *, axis: str | None = None, timeout: float | None = None) -> Any:
+    """Reduces `x` over every process (or each replica group) with `op` and multiplies by `scale`.
+
+    op is one of "sum", "mean", "max", "min", "prod". A list of values is reduced in one compiled
+    collective per dtype. Example::
+
+        g = tpudist.all_reduce(torch.ones(3), op="mean")     # tensor([1., 1., 1.]) on every rank
+    """
+    if axis is not None:
+        _check_op(op, [jnp.dtype(v.dtype) for v in jax.tree_util.tree_leaves(x)], scale)
+        return _in_graph(x, groups, lambda v: _lax.reduce(v, op, axis, _axis_size(axis), scale))
+
+    def check(descs: list[_convert.Leaf], size: int) -> None:
+        _check_op(op, [d.dtype for d in descs], scale)
+
+    def body(blocks: list[jax.Array], size: int) -> list[jax.Array]:
+        # Coalesce: one flat buffer, one collective, per dtype.
+        outs: list[Any] = [None] * len(blocks)
+        by_dtype: dict[Any, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_dtype.setdefault(b.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = jnp.concatenate([blocks[i].reshape(-1) for i in idx])
+            reduced = _lax.reduce(flat, op, SLOT, size, scale)
+            offset = 0
+            for i in idx:
+                n = blocks[i].size
+                outs[i] = reduced[offset:offset + n].reshape(blocks[i].shape)
+                offset += n
+        return outs
+
+    return _eager("all_reduce", {"op": op, "scale": float(scale)}, x, groups, timeout, body, check)
+
+
+def _axis_size(axis: str) -> int:
+    return jax.lax.psum(1, axis)
+
+
+def all_gather(x: Any, dim: int = 0, groups: Sequence[Sequence[int]] | None = None, *,
+               axis: str | None = None, timeout: float | None = None) -> Any:
+    """Concatenates every process's `x` along tensor dimension `dim`, in rank (group) order.
+
+    A 0-d value gathers into shape (processes,). Example: shape (2, 3) on 4 processes, dim=0
+    -> (8, 3).
+    """
+    if axis is not None:
+        return _in_graph(x, groups, lambda v: _lax.gather(v, _dim(dim, v.ndim, "dim"), axis))
+
+    def check(descs: list[_convert.Leaf], size: int) -> None:
+        for d in descs:
+            _dim(dim, len(d.shape), "dim")
+
+    body = _per_block(lambda v, size: _lax.gather(v, _dim(dim, v.ndim, "dim"), SLOT))
+    return _eager("all_gather", {"dim": dim}, x, groups, timeout, body, check)
+
+
+def reduce_scatter(x: Any, op: str = "sum", dim: int = 0, groups: Sequence[Sequence[int]] | None = None,
+                   scale: float = 1.0, *, axis: str | None = None, timeout: float | None = None) -> Any:
+    """Reduces `x` over the processes with `op`; process i keeps chunk i of dimension `dim`.
+
+    `x.shape[dim]` must be a multiple of the group size. Example: shape (8, 3) on 4 processes
+    -> (2, 3) on each.
+    """
+    if axis is not None:
+        _check_op(op, [jnp.dtype(v.dtype) for v in jax.tree_util.tree_leaves(x)], scale)
+        return _in_graph(x, groups, lambda v: _lax.reduce_scatter(
+            v, op, _dim(dim, v.ndim, "dim"), axis, _axis_size(axis), scale))
+
+    def check(descs: list[_convert.Leaf], size: int) -> None:
+        _check_op(op, [d.dtype for d in descs], scale)
+        for d in descs:
+            if not d.shape:
+                raise ValueError("reduce_scatter needs values with at least one dimension, got a scalar")
+            _divisible(d, _dim(dim, len(d.shape), "dim"), size, "reduce_scatter")
+
+    body = _per_block(lambda v, size: _lax.reduce_scatter(v, op, _dim(dim, v.ndim, "dim"), SLOT, size, scale))
+    return _eager("reduce_scatter", {"op": op, "dim": dim, "scale": float(scale)}, x, groups, timeout,
+                  body, check)
+
+
+def all_to_all(x: Any, split_dim: int = 0, concat_dim: int = 0, groups: Sequence[Sequence[int]] | None = None,
+               *, axis: str | None = None, timeout: float | None = None) -> Any:
+    """Splits `split_dim` into one chunk per process, sends chunk j to process j, and concatenates
+    what arrives along `concat_dim` in rank order."""
+    if axis is not None:
+        return _in_graph(x, groups, lambda v: _lax.all_to_all(
+            v, _dim(split_dim, v.ndim, "split_dim"), _dim(concat_dim, v.ndim, "concat_dim"), axis))
+
+    def check(descs: list[_convert.Leaf], size: int) -> None:
+        for d in descs:
+            if not d.shape:
+                raise ValueError("all_to_all needs values with at least one dimension, got a scalar")
+            _dim(concat_dim, len(d.shape), "concat_dim")
+            _divisible(d, _dim(split_dim, len(d.shape), "split_dim"), size, "all_to_all")
+
+    body = _per_block(lambda v, size: _lax.all_to_all(
+        v, _dim(split_dim, v.ndim, "split_dim"), _dim(concat_dim, v.ndim, "concat_dim"), SLOT))
+    return _eager("all_to_all", {"split_dim": split_dim, "concat_dim": concat_dim}, x, groups, timeout,
+                  body, check)
+
+
+def broadcast(x: Any, src: int = 0, groups: Sequence[Sequence[int]] | None = None, *,
+              axis: str | None = None, timeout: float | None = None) -> Any:
+    """Every process gets process `src`'s value, bit for bit.
+
+    With groups, `src` is a position inside each group (group [2, 3] with src=0 takes rank 2's
+    value). Every process must pass a value of the same shape and dtype.
+    """
+    if axis is not None:
+        return _in_graph(x, groups, lambda v: _lax.broadcast(v, src, axis))
+
+    def check(descs: list[_convert.Leaf], size: int) -> None:
+        if not isinstance(src, int) or not 0 <= src < size:
+            raise ValueError(f"src={src!r} must be a process index in [0, {size})"
+                             + (" (a position inside each group)" if groups is not None else ""))
+
+    body = _per_block(lambda v, size: _lax.broadcast(v, src, SLOT))
+    return _eager("broadcast", {"src": src}, x, groups, timeout, body, check)
+
+
+def _check_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    try:
+        norm = tuple((int(s), int(d)) for s, d in pairs)
+    except (TypeError, ValueError):
+        raise TypeError(f"pairs={pairs!r} must be a list of [source, destination] process indices") from None
+    for s, d in norm:
+        if not (0 <= s < n and 0 <= d < n):
+            raise ValueError(f"pair [{s}, {d}] names a process outside 0..{n - 1}")
+    for what, values in (("source", [s for s, _ in norm]), ("destination", [d for _, d in norm])):
+        dup = sorted({v for v in values if values.count(v) > 1})
+        if dup:
+            raise ValueError(f"pairs={pairs!r}: processes {dup} appear more than once as a {what}")
+    return norm
+
+
+def collective_permute(x: Any, pairs: Sequence[Sequence[int]], *, axis: str | None = None,
+                       timeout: float | None = None) -> Any:
+    """Sends each source process's `x` to its destination; a process that receives nothing gets
+    zeros. Example: pairs=[[0, 1], [1, 0]] swaps ranks 0 and 1."""
+    if axis is not None:
+        norm = _check_pairs(pairs, _axis_size(axis))
+        return _in_graph(x, None, lambda v: _lax.permute(v, norm, axis))
+    norm = _check_pairs(pairs, engine().n)
+    body = _per_block(lambda v, size: _lax.permute(v, norm, SLOT))
+    return _eager("collective_permute", {"pairs": norm}, x, None, timeout, body)
+
+
+def barrier(timeout: float | None = None) -> None:
+    """Returns once every process of the job has called barrier(); CollectiveTimeout names the
+    ranks that did not come within the deadline."""
+    engine().barrier(timeout)

@@ -1,0 +1,144 @@
+"""The environment contract between the launcher and the runtime.
+
+Every variable that `python -m tpudist.xla_dist` or `tpudist.spawn` sets for a process, and that
+`tpudist.init()` reads, is declared here once. Both sides import this module; nothing else spells
+these names.
+
+The torch-compatible names (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT`) mean what `torch.distributed` expects, so that
+`torch.distributed.init_process_group("gloo", init_method="env://")` works inside a tpudist job.
+`MASTER_PORT` is always a different port from the JAX coordinator's.
+
+Example::
+
+    env = JobEnv(rank=1, world_size=4, local_rank=1, local_world_size=2,
+                 coordinator="10.0.0.2:8476", master_addr="10.0.0.2", master_port=29500)
+    os.environ.update(env.to_environ())
+    assert JobEnv.from_environ(os.environ) == env
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+# Torch-compatible names.
+RANK = "RANK"  # this process's index in the job, 0..WORLD_SIZE-1 (= jax.process_index())
+WORLD_SIZE = "WORLD_SIZE"  # number of processes in the job (= jax.process_count())
+LOCAL_RANK = "LOCAL_RANK"  # this process's index among the processes of its host
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # number of processes on this host
+MASTER_ADDR = "MASTER_ADDR"  # address of rank 0's host, for torch.distributed's env:// rendezvous
+MASTER_PORT = "MASTER_PORT"  # torch.distributed's rendezvous port (never the JAX coordinator's)
+
+# tpudist's own names.
+COORDINATOR = "TPUDIST_COORDINATOR"  # host:port of the JAX distributed coordinator (served by rank 0)
+WORKER = "TPUDIST_WORKER"  # index of this process's host in the job (the TPU worker id on a slice)
+NUM_WORKERS = "TPUDIST_NUM_WORKERS"  # number of hosts in the job
+HOST = "TPUDIST_HOST"  # the host name the launcher used to reach this host (for messages)
+CPU_DEVICES = "TPUDIST_CPU_DEVICES"  # XLA CPU devices per process on a CPU mesh (unset: platform default)
+PLATFORM = "TPUDIST_PLATFORM"  # "cpu", "tpu", "gpu"; unset lets JAX choose
+JOB_ID = "TPUDIST_JOB_ID"  # a random id naming this job (in key-value store keys and log files)
+INIT_TIMEOUT = "TPUDIST_INIT_TIMEOUT"  # seconds tpudist.init() waits for every process to join
+COLLECTIVE_TIMEOUT = "TPUDIST_COLLECTIVE_TIMEOUT"  # seconds an eager collective waits for its peers
+CACHE_DIR = "TPUDIST_CACHE_DIR"  # persistent compilation cache directory ("off" disables it)
+RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under --max-restarts
+
+DEFAULT_INIT_TIMEOUT = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
+       WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
+       CACHE_DIR, RESTART)
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnv:
+    """One process's view of its job, as the launcher writes it and the runtime reads it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    coordinator: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    worker: int = 0
+    num_workers: int = 1
+    host: str | None = None
+    cpu_devices: int | None = None
+    platform: str | None = None
+    job_id: str | None = None
+    init_timeout: float = DEFAULT_INIT_TIMEOUT
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    restart: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"{WORLD_SIZE}={self.world_size} must be at least 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{RANK}={self.rank} must be in [0, {WORLD_SIZE}={self.world_size})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"{LOCAL_RANK}={self.local_rank} must be in "
+                             f"[0, {LOCAL_WORLD_SIZE}={self.local_world_size})")
+        if self.world_size > 1 and not self.coordinator:
+            raise ValueError(f"{WORLD_SIZE}={self.world_size} but {COORDINATOR} is not set; start "
+                             "multi-process jobs with `python -m tpudist.xla_dist` or tpudist.spawn")
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ValueError(f"{CPU_DEVICES}={self.cpu_devices} must be at least 1")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "JobEnv":
+        """Reads the contract; unset variables mean a single-process job on this machine."""
+        return cls(
+            rank=_int(environ, RANK, 0),
+            world_size=_int(environ, WORLD_SIZE, 1),
+            local_rank=_int(environ, LOCAL_RANK, 0),
+            local_world_size=_int(environ, LOCAL_WORLD_SIZE, 1),
+            coordinator=environ.get(COORDINATOR) or None,
+            master_addr=environ.get(MASTER_ADDR) or None,
+            master_port=_int(environ, MASTER_PORT),
+            worker=_int(environ, WORKER, 0),
+            num_workers=_int(environ, NUM_WORKERS, 1),
+            host=environ.get(HOST) or None,
+            cpu_devices=_int(environ, CPU_DEVICES),
+            platform=environ.get(PLATFORM) or None,
+            job_id=environ.get(JOB_ID) or None,
+            init_timeout=_float(environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
+            collective_timeout=_float(environ, COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT),
+            restart=_int(environ, RESTART, 0),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables to set for this process (unset fields are left out)."""
+        values = {
+            RANK: self.rank, WORLD_SIZE: self.world_size, LOCAL_RANK: self.local_rank,
+            LOCAL_WORLD_SIZE: self.local_world_size, COORDINATOR: self.coordinator,
+            MASTER_ADDR: self.master_addr, MASTER_PORT: self.master_port, WORKER: self.worker,
+            NUM_WORKERS: self.num_workers, HOST: self.host, CPU_DEVICES: self.cpu_devices,
+            PLATFORM: self.platform, JOB_ID: self.job_id, INIT_TIMEOUT: self.init_timeout,
+            COLLECTIVE_TIMEOUT: self.collective_timeout, RESTART: self.restart,
+        }
+        return {k: str(v) for k, v in values.items() if v is not None}

@@ -1,0 +1,286 @@
+"""Cluster sources for `--tpu NAME`: the TPU VM metadata server, and `gcloud` from anywhere else.
+
+**tpu-metadata** (the launcher runs on a worker of the slice). The GCE metadata server answers
+`instance/attributes/<key>` with header `Metadata-Flavor: Google`:
+
+- `accelerator-type`: "v4-32";
+- `worker-network-endpoints`: `hostname:uid:ip,...` (or bare host names), one entry per worker;
+  the list index is the worker id and the IPs are not sorted, so the order is kept as is;
+- `tpu-env`: YAML lines `KEY: 'value'` (ACCELERATOR_TYPE, TOPOLOGY, HOST_BOUNDS,
+  CHIPS_PER_HOST_BOUNDS, NODE_ID = the TPU's name, ...), whose values win over tpudist's table;
+- `agent-worker-number`: this VM's worker id.
+
+It applies when `--tpu` is given, the metadata server answers within a second with an accelerator
+type, and either `--tpu=local` or the name matches this VM's TPU (tpu-env's NODE_ID, else the
+`instance-id` attribute). A VM of another TPU, or one whose name it cannot tell, leaves the slice
+to gcloud. The server's address honours the override variables Google's client libraries read,
+`GCE_METADATA_HOST` then `GCE_METADATA_IP`; by default its link-local IP, which needs no DNS, so
+the probe fails fast off Google Cloud.
+
+**gcloud** (anywhere else) runs `gcloud compute tpus tpu-vm describe NAME --zone Z [--project P]
+--format=json`, a Cloud TPU v2 API Node: `acceleratorType`, `state`, `health`,
+`networkEndpoints[i]` = worker i (`ipAddress`, `accessConfig.externalIp`; K per worker on K
+networks), `acceleratorConfig
+{type, topology}`. `--zone`/`--project` default to gcloud's configured ones. A node that is not
+READY, or not HEALTHY, is refused with both in the message. Like `gcloud ... tpu-vm ssh`, the
+launcher connects to a worker's external IP when it has one (`--internal-ip`: always the internal
+one); peers always use internal IPs.
+
+Example::
+
+    args = argparse.Namespace(tpu="my-slice", zone="us-central2-b", project=None)
+    if GcloudSource.applies(args).applies:
+        cluster = GcloudSource.resolve(args)   # Hosts in worker order, accelerator type, topology
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict
+
+METADATA_HOST_ENV = "GCE_METADATA_HOST"  # google-auth's override: host[:port] of the server
+METADATA_IP_ENV = "GCE_METADATA_IP"  # google-auth's and JAX's override: its IP[:port]
+METADATA_DEFAULT_HOST = "169.254.169.254"  # the GCE metadata server's fixed link-local address
+PROBE_TIMEOUT_S = 1.0  # "are we on a TPU VM?" must not slow down launches elsewhere
+FETCH_TIMEOUT_S = 10.0
+GCLOUD_TIMEOUT_S = 60.0
+TPU_LOCAL = "local"  # --tpu=local: the TPU this VM belongs to
+
+
+class MetadataError(ValueError):
+    """The metadata server did not answer a key it must answer."""
+
+
+def metadata_base_url() -> str:
+    """`http://<host>/computeMetadata/v1/instance/attributes/`, honouring the override variables."""
+    host = (os.environ.get(METADATA_HOST_ENV) or os.environ.get(METADATA_IP_ENV)
+            or METADATA_DEFAULT_HOST)
+    return f"http://{host}/computeMetadata/v1/instance/attributes/"
+
+
+def get_attribute(key: str, timeout: float = FETCH_TIMEOUT_S) -> str | None:
+    """One instance attribute's text, or None when the server says it does not exist (404).
+
+    Raises MetadataError (a ValueError) when the server cannot be reached within `timeout`
+    seconds or answers anything else.
+    """
+    url = metadata_base_url() + key
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    # No proxies: the metadata server is link-local, and an HTTP proxy would answer for it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise MetadataError(f"metadata server {url} answered HTTP {e.code}") from None
+    except (OSError, ValueError) as e:  # URLError, timeouts and refusals are OSErrors
+        raise MetadataError(f"no answer from the metadata server {url} within {timeout:g} s "
+                            f"({e})") from None
+
+
+def parse_tpu_env(text: str) -> dict[str, str]:
+    """The metadata `tpu-env` attribute (YAML lines `KEY: 'value'`) as a dict of strings."""
+    env = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep or not key.strip() or line.startswith((" ", "\t", "#")):
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            value = value[1:-1].replace("''", "'")  # YAML single quotes escape ' as ''
+        elif len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def parse_worker_endpoints(text: str) -> list[Host]:
+    """`worker-network-endpoints` as Hosts in worker order (the list index is the worker id).
+
+    Entries are `hostname:uid:ip` or, in newer images, a bare host name.
+    """
+    hosts = []
+    for i, entry in enumerate(e.strip() for e in text.strip().split(",")):
+        parts = entry.split(":")
+        if len(parts) == 3 and parts[2]:
+            hosts.append(Host(address=parts[2], internal_ip=parts[2], hostname=parts[0] or None))
+        elif len(parts) == 1 and parts[0]:
+            hosts.append(Host(address=parts[0], internal_ip=parts[0], hostname=parts[0]))
+        else:
+            raise ValueError(f"worker-network-endpoints entry {i} is {entry!r}; expected "
+                             f"'hostname:uid:ip' or a host name (whole value: {text!r})")
+    return hosts
+
+
+def _tpu_name(name: str | None) -> str | None:
+    """The short name of a TPU given as a name or as projects/P/locations/Z/nodes/NAME."""
+    return name.rstrip("/").rsplit("/", 1)[-1] if name else name
+
+
+class TpuMetadataSource(ClusterSource):
+    """The slice this TPU VM belongs to, from its metadata server."""
+
+    name = "tpu-metadata"
+    priority = 20
+
+    @classmethod
+    def applies(cls, args: argparse.Namespace) -> Verdict:
+        tpu = _tpu_name(getattr(args, "tpu", None))
+        if not tpu:
+            return Verdict(False, "--tpu not given")
+        try:
+            accelerator_type = get_attribute("accelerator-type", timeout=PROBE_TIMEOUT_S)
+        except MetadataError as e:
+            return Verdict(False, f"not on a TPU VM: {e}")
+        if not accelerator_type:
+            return Verdict(False, f"the metadata server at {metadata_base_url()} has no "
+                                  "accelerator-type: this VM is not a TPU VM")
+        if tpu == TPU_LOCAL:
+            return Verdict(True, f"--tpu=local on a TPU VM ({accelerator_type.strip()})")
+        try:
+            own = cls._own_name(timeout=PROBE_TIMEOUT_S)
+        except MetadataError as e:
+            return Verdict(False, f"cannot tell which TPU this VM belongs to: {e}")
+        if own is None:
+            return Verdict(False, f"this TPU VM's metadata does not name its TPU, so --tpu={tpu} "
+                                  "is left to gcloud (use --tpu=local for this VM's own slice)")
+        if own != tpu:
+            return Verdict(False, f"this VM belongs to TPU {own!r}, not {tpu!r}")
+        return Verdict(True, f"this VM is a worker of TPU {tpu!r} ({accelerator_type.strip()})")
+
+    @classmethod
+    def resolve(cls, args: argparse.Namespace) -> Cluster:
+        accelerator_type = (get_attribute("accelerator-type") or "").strip()
+        endpoints = get_attribute("worker-network-endpoints")
+        if not accelerator_type or not endpoints:
+            raise MetadataError(f"the metadata server at {metadata_base_url()} lacks "
+                                "accelerator-type or worker-network-endpoints; is this a TPU VM?")
+        tpu_env = parse_tpu_env(get_attribute("tpu-env") or "")
+        hosts = tuple(parse_worker_endpoints(endpoints))
+        worker = (get_attribute("agent-worker-number") or "").strip()
+        # A one-worker slice whose worker is this VM runs here directly, without SSH.
+        local = len(hosts) == 1 and worker in ("", "0")
+        return Cluster(source=cls.name, hosts=hosts, local=local,
+                       accelerator_type=tpu_env.get("ACCELERATOR_TYPE") or accelerator_type,
+                       tpu_env=tpu_env, topology=tpu_env.get("TOPOLOGY") or None)
+
+    @staticmethod
+    def _own_name(timeout: float) -> str | None:
+        node_id = parse_tpu_env(get_attribute("tpu-env", timeout=timeout) or "").get("NODE_ID")
+        if node_id:
+            return node_id
+        instance_id = get_attribute("instance-id", timeout=timeout)
+        return instance_id.strip() if instance_id and instance_id.strip() else None
+
+
+def _run_gcloud(argv: Sequence[str], timeout: float | None = None) -> str:
+    """gcloud's stdout. Raises ValueError with gcloud's own message and the fix on failure."""
+    timeout = GCLOUD_TIMEOUT_S if timeout is None else timeout
+    gcloud = shutil.which("gcloud")
+    if gcloud is None:
+        raise ValueError("--tpu needs the gcloud CLI to find the slice's workers, and `gcloud` is "
+                         "not on PATH. Install the Google Cloud CLI "
+                         "(https://cloud.google.com/sdk/docs/install) and run `gcloud auth login`, "
+                         "or launch from a worker of the slice (--tpu=local), or pass the workers "
+                         "with --hosts/--hostfile.")
+    command = [gcloud, *argv]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"`gcloud {' '.join(argv)}` did not finish within {timeout:g} s; check "
+                         "the network and `gcloud auth list`") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-10:])
+        raise ValueError(f"`gcloud {' '.join(argv)}` exited with {done.returncode}:\n{tail}")
+    return done.stdout
+
+
+def gcloud_config(prop: str) -> str | None:
+    """A gcloud configuration property (`project`, `compute/zone`), None when unset."""
+    value = _run_gcloud(["config", "get-value", prop]).strip()
+    return value if value and value != "(unset)" else None
+
+
+def node_hosts(node: dict, internal_ip: bool = False) -> tuple[Host, ...]:
+    """A Cloud TPU v2 API Node's workers as Hosts, in `networkEndpoints` order (= worker id).
+
+    A node on several networks (`networkConfigs` with K entries) lists K endpoints per worker,
+    worker by worker; the first of each K is the worker's primary one (as `gcloud ... tpu-vm ssh`
+    reads it).
+    """
+    per_worker = max(1, len(node.get("networkConfigs") or []))
+    endpoints = (node.get("networkEndpoints") or [])[::per_worker]
+    hosts = []
+    for i, endpoint in enumerate(endpoints):
+        ip = endpoint.get("ipAddress")
+        if not ip:
+            raise ValueError(f"TPU {node.get('name')!r}: the endpoint of worker {i} has no "
+                             "ipAddress")
+        external = (endpoint.get("accessConfig") or {}).get("externalIp")
+        hosts.append(Host(address=ip if internal_ip or not external else external,
+                          internal_ip=ip))
+    return tuple(hosts)
+
+
+class GcloudSource(ClusterSource):
+    """The slice named by --tpu, described by the gcloud CLI."""
+
+    name = "gcloud"
+    priority = 30
+
+    @classmethod
+    def applies(cls, args: argparse.Namespace) -> Verdict:
+        tpu = _tpu_name(getattr(args, "tpu", None))
+        if not tpu:
+            return Verdict(False, "--tpu not given")
+        if tpu == TPU_LOCAL:
+            return Verdict(False, "--tpu=local means this TPU VM's own slice, and only its "
+                                  "metadata server can say which that is")
+        return Verdict(True, f"--tpu={tpu}: `gcloud compute tpus tpu-vm describe` lists its "
+                             "workers")
+
+    @classmethod
+    def resolve(cls, args: argparse.Namespace) -> Cluster:
+        tpu = _tpu_name(getattr(args, "tpu", None))
+        assert tpu, "resolve() called without --tpu"
+        zone = getattr(args, "zone", None) or gcloud_config("compute/zone")
+        if not zone:
+            raise ValueError(f"--tpu={tpu} needs the TPU's zone: pass --zone ZONE or run "
+                             "`gcloud config set compute/zone ZONE`")
+        project = getattr(args, "project", None) or gcloud_config("project")
+        argv = ["compute", "tpus", "tpu-vm", "describe", tpu, "--zone", zone]
+        if project:
+            argv += ["--project", project]
+        argv += ["--format=json"]
+        out = _run_gcloud(argv)
+        try:
+            node = json.loads(out)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"`gcloud {' '.join(argv)}` printed no JSON ({e}): {out[:200]!r}") \
+                from None
+        where = f"TPU {tpu!r} in {zone}" + (f" (project {project})" if project else "")
+        state, health = node.get("state", "STATE_UNSPECIFIED"), node.get("health", "(unreported)")
+        if state != "READY" or health != "HEALTHY":
+            detail = f" ({node['healthDescription']})" if node.get("healthDescription") else ""
+            raise ValueError(f"{where} is state={state}, health={health}{detail}; it must be READY "
+                             "and HEALTHY. Wait for it, or check `gcloud compute tpus tpu-vm "
+                             "describe` and recreate or repair it.")
+        accelerator_type = node.get("acceleratorType")
+        hosts = node_hosts(node, internal_ip=bool(getattr(args, "internal_ip", False)))
+        if not accelerator_type or not hosts:
+            raise ValueError(f"{where}: the describe document has no acceleratorType or no "
+                             "networkEndpoints")
+        topology = (node.get("acceleratorConfig") or {}).get("topology") or None
+        return Cluster(source=cls.name, hosts=hosts, accelerator_type=accelerator_type,
+                       topology=topology)
