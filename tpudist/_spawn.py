@@ -19,6 +19,7 @@ from typing import Any
 from tpudist import contract
 
 _GRACE_SECONDS = 3.0
+_EXIT_GRACE_SECONDS = 30.0  # after returning, time allowed for interpreter teardown
 _PR_SET_PDEATHSIG = 1
 
 
@@ -153,12 +154,18 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
     failure: SpawnError | None = None
     try:
         pending = {p.sentinel: i for i, p in enumerate(procs)}
+        all_reported: float | None = None
         while pending or conns:
+            if len(results) == nprocs:
+                # Every process returned; one stuck in interpreter teardown is not a failure.
+                all_reported = all_reported or time.monotonic()
+                if time.monotonic() - all_reported > _EXIT_GRACE_SECONDS:
+                    break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 running = sorted(set(pending.values()))
                 raise TimeoutError(f"tpudist.spawn: processes {running} still running after {timeout:g}s")
-            ready = wait(list(pending) + list(conns), timeout=left if left is None else min(left, 1.0))
+            ready = wait(list(pending) + list(conns), timeout=1.0 if left is None else min(left, 1.0))
             for obj in ready:
                 if obj in conns:
                     index = conns.pop(obj)
@@ -175,7 +182,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
                     index = pending.pop(obj)
                     p = procs[index]
                     p.join(timeout=1)
-                    if p.exitcode != 0 and failure is None and index not in results:
+                    if p.exitcode != 0 and failure is None and index not in results and len(results) < nprocs:
                         # Give its traceback a moment to arrive through the pipe.
                         for c, i in list(conns.items()):
                             if i == index and c.poll(1.0):

@@ -103,3 +103,34 @@ def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...]) -> Any:
     if leaf.kind == "scalar":
         return leaf.py_type(out[()])
     return out
+
+
+def _bf16_np() -> np.dtype:
+    return np.dtype(jax.numpy.bfloat16)
+
+
+def flat_numpy(x: Any, leaf: Leaf) -> np.ndarray:
+    """The leaf's values as a flat host array (a view where the input allows, e.g. CPU tensors)."""
+    if leaf.kind == "torch":
+        t = x.detach().cpu().contiguous().reshape(-1)
+        if leaf.dtype == _bf16_np():  # numpy has no bfloat16: move the bits
+            return t.view(_torch().int16).numpy().view(leaf.dtype)
+        return t.numpy()
+    return np.asarray(x, dtype=leaf.dtype).reshape(-1)
+
+
+def from_flat(flat: np.ndarray, leaf: Leaf) -> Any:
+    """The inverse of `flat_numpy`: a result slice back to the leaf's kind and shape (no copy)."""
+    shaped = flat.reshape(leaf.shape)
+    if leaf.kind == "torch":
+        torch = _torch()
+        if leaf.dtype == _bf16_np():
+            return torch.from_numpy(shaped.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(shaped)
+    if leaf.kind == "jax":
+        return jax.numpy.asarray(shaped)
+    if leaf.kind == "numpy_scalar":
+        return shaped[()]
+    if leaf.kind == "scalar":
+        return leaf.py_type(shaped[()])
+    return shaped

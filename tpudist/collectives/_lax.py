@@ -21,9 +21,16 @@ def _wire(x: jax.Array) -> jax.Array:
     return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
 
 
+def _empty(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    # XLA rejects collectives on zero-sized operands; an empty result needs no communication.
+    return jnp.zeros(shape, x.dtype)
+
+
 def reduce(x: jax.Array, op: str, axis: str, size: int, scale: float = 1.0) -> jax.Array:
     """All-reduce of `x` over `axis` (of `size` participants)."""
     dtype = x.dtype
+    if x.size == 0:
+        return _empty(x, x.shape)
     if op == "prod":
         out = jnp.prod(lax.all_gather(x, axis), axis=0).astype(dtype)
     elif dtype == jnp.bool_:
@@ -44,6 +51,8 @@ def reduce(x: jax.Array, op: str, axis: str, size: int, scale: float = 1.0) -> j
 
 def gather(x: jax.Array, dim: int, axis: str) -> jax.Array:
     """All-gather along tensor dimension `dim` (a 0-d value gathers into shape (size,))."""
+    if x.size == 0:
+        return _empty(x, x.shape[:dim] + (x.shape[dim] * lax.psum(1, axis),) + x.shape[dim + 1:])
     if x.ndim == 0:
         return lax.all_gather(_wire(x), axis).astype(x.dtype)
     return lax.all_gather(_wire(x), axis, axis=dim, tiled=True).astype(x.dtype)
@@ -52,6 +61,8 @@ def gather(x: jax.Array, dim: int, axis: str) -> jax.Array:
 def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale: float = 1.0) -> jax.Array:
     """Reduces over `axis` and leaves participant i with chunk i of dimension `dim`."""
     dtype = x.dtype
+    if x.size == 0:
+        return _empty(x, x.shape[:dim] + (x.shape[dim] // size,) + x.shape[dim + 1:])
     if op in ("sum", "mean") and dtype not in _LOW_PRECISION:
         out = lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
         if op == "mean":
@@ -79,6 +90,12 @@ def _local_reduce(stacked: jax.Array, op: str, size: int) -> jax.Array:
 
 def all_to_all(x: jax.Array, split_dim: int, concat_dim: int, axis: str) -> jax.Array:
     """Splits `split_dim` into one chunk per participant, exchanges, concatenates on `concat_dim`."""
+    if x.size == 0:
+        size = lax.psum(1, axis)
+        shape = list(x.shape)
+        shape[split_dim] //= size
+        shape[concat_dim] *= size
+        return _empty(x, tuple(shape))
     return lax.all_to_all(_wire(x), axis, split_dim, concat_dim, tiled=True).astype(x.dtype)
 
 
@@ -91,6 +108,8 @@ def broadcast(x: jax.Array, src: int, axis: str) -> jax.Array:
     Implemented as a sum in which only `src` contributes non-zero integers (the value's bits), so
     it moves one value's worth of data and keeps -0.0 and NaN payloads intact.
     """
+    if x.size == 0:
+        return x
     bits = _BITS[x.dtype.itemsize]
     raw = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, bits)
     wide = raw.astype(jnp.int32) if raw.dtype.itemsize < 4 else raw
@@ -103,4 +122,6 @@ def broadcast(x: jax.Array, src: int, axis: str) -> jax.Array:
 
 def permute(x: jax.Array, pairs: Sequence[tuple[int, int]], axis: str) -> jax.Array:
     """Sends each source's value to its destination; participants that receive nothing get zeros."""
+    if x.size == 0:
+        return x
     return lax.ppermute(_wire(x), axis, perm=list(pairs)).astype(x.dtype)

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tpudist.collectives import _convert, _lax
 from tpudist.collectives._engine import SLOT, Op, engine, normalize_groups
@@ -100,23 +101,28 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     def check(descs: list[_convert.Leaf], size: int) -> None:
         _check_op(op, [d.dtype for d in descs], scale)
 
-    def body(blocks: list[jax.Array], size: int) -> list[jax.Array]:
-        # Coalesce: one flat buffer, one collective, per dtype.
-        outs: list[Any] = [None] * len(blocks)
-        by_dtype: dict[Any, list[int]] = {}
-        for i, b in enumerate(blocks):
-            by_dtype.setdefault(b.dtype, []).append(i)
-        for idx in by_dtype.values():
-            flat = jnp.concatenate([blocks[i].reshape(-1) for i in idx])
-            reduced = _lax.reduce(flat, op, SLOT, size, scale)
-            offset = 0
-            for i in idx:
-                n = blocks[i].size
-                outs[i] = reduced[offset:offset + n].reshape(blocks[i].shape)
-                offset += n
-        return outs
-
-    return _eager("all_reduce", {"op": op, "scale": float(scale)}, x, groups, timeout, body, check)
+    body = _per_block(lambda v, size: _lax.reduce(v, op, SLOT, size, scale))
+    params = {"op": op, "scale": float(scale)}
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if len(leaves) < 2:
+        return _eager("all_reduce", params, x, groups, timeout, body, check)
+    # Coalesce on the host, as DDP's buckets do: one flat buffer and one collective per dtype. The
+    # executable then depends only on each buffer's length, so it is compiled once and reused.
+    descs = [_convert.describe(leaf) for leaf in leaves]
+    check(descs, 1)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, d in enumerate(descs):
+        by_dtype.setdefault(d.dtype, []).append(i)
+    packed = [np.concatenate([_convert.flat_numpy(leaves[i], descs[i]) for i in idx]) for idx in by_dtype.values()]
+    reduced = _eager("all_reduce", params, packed, groups, timeout, body, check)
+    results: list[Any] = [None] * len(leaves)
+    for idx, flat in zip(by_dtype.values(), reduced):
+        offset = 0
+        for i in idx:
+            n = int(np.prod(descs[i].shape, dtype=np.int64))
+            results[i] = _convert.from_flat(flat[offset:offset + n], descs[i])
+            offset += n
+    return jax.tree_util.tree_unflatten(treedef, results)
 
 
 def _axis_size(axis: str) -> int:

@@ -1,0 +1,40 @@
+"""The pod launcher: `python -m tpudist.xla_dist` (or `tpudist launch`).
+
+    python -m tpudist.xla_dist --hosts 10.0.0.2,10.0.0.3 --nproc-per-host 2 -- python train.py
+    python -m tpudist.xla_dist --tpu=$TPU_NAME --conda-env=torch-xla --env K=V -- python train.py
+
+A cluster source resolves the hosts (`ClusterSource`; local, --hosts, --hostfile here, TPU and SLURM
+in their own modules), `build_plan` gives every process its argv and environment, and the
+`Supervisor` starts one agent per host over SSH, runs the job through the gRPC control plane and
+stops everything on the first failure. See docs/launcher.md.
+
+Importing this package is cheap: grpc and paramiko are imported only by what needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tpudist.launch import sources_basic  # noqa: F401 - registers local, hosts, hostfile
+from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict, resolve_cluster, sources, verdicts
+from tpudist.launch.args import build_parser, parse_args
+from tpudist.launch.plan import ProcessPlan, build_plan, plan_json
+
+for _optional in ("sources_tpu", "sources_slurm"):  # written alongside; absent modules must not break launching
+    try:
+        importlib.import_module(f"tpudist.launch.{_optional}")
+    except ImportError:
+        pass
+
+_LAZY = {"Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
+         "main": "tpudist.xla_dist"}
+
+__all__ = ["Cluster", "ClusterSource", "Host", "Verdict", "resolve_cluster", "sources", "verdicts",
+           "build_parser", "parse_args", "ProcessPlan", "build_plan", "plan_json", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tpudist.launch' has no attribute {name!r}")

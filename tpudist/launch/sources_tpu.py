@@ -45,6 +45,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.tpu_env import cluster_slice
 
 METADATA_HOST_ENV = "GCE_METADATA_HOST"  # google-auth's override: host[:port] of the server
 METADATA_IP_ENV = "GCE_METADATA_IP"  # google-auth's and JAX's override: its IP[:port]
@@ -170,9 +171,11 @@ class TpuMetadataSource(ClusterSource):
         worker = (get_attribute("agent-worker-number") or "").strip()
         # A one-worker slice whose worker is this VM runs here directly, without SSH.
         local = len(hosts) == 1 and worker in ("", "0")
-        return Cluster(source=cls.name, hosts=hosts, local=local,
-                       accelerator_type=tpu_env.get("ACCELERATOR_TYPE") or accelerator_type,
-                       tpu_env=tpu_env, topology=tpu_env.get("TOPOLOGY") or None)
+        cluster = Cluster(source=cls.name, hosts=hosts, local=local,
+                          accelerator_type=tpu_env.get("ACCELERATOR_TYPE") or accelerator_type,
+                          tpu_env=tpu_env, topology=tpu_env.get("TOPOLOGY") or None)
+        cluster_slice(cluster)  # an unknown type or a worker count that does not fit fails here
+        return cluster
 
     @staticmethod
     def _own_name(timeout: float) -> str | None:
@@ -282,5 +285,10 @@ class GcloudSource(ClusterSource):
             raise ValueError(f"{where}: the describe document has no acceleratorType or no "
                              "networkEndpoints")
         topology = (node.get("acceleratorConfig") or {}).get("topology") or None
-        return Cluster(source=cls.name, hosts=hosts, accelerator_type=accelerator_type,
-                       topology=topology)
+        cluster = Cluster(source=cls.name, hosts=hosts, accelerator_type=accelerator_type,
+                          topology=topology)
+        try:
+            cluster_slice(cluster)  # an unknown type or a worker count that does not fit fails here
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return cluster

@@ -71,17 +71,17 @@ class Generation:
 
 
 # v5p, in Cloud TPU's (and xpk's) order of size; tpu7x supports these and two more.
-_V5P_TOPOLOGIES = (
-    "2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x4x12 4x8x8 4x4x20 4x8x12 4x4x28 8x8x8 4x12x12 4x8x20 "
-    "4x4x44 8x8x12 4x4x52 4x8x28 4x12x20 8x8x16 4x4x68 8x12x12 4x4x76 8x8x20 4x12x28 4x8x44 4x4x92 "
-    "8x12x16 4x20x20 4x8x52 12x12x12 8x8x28 4x4x116 8x12x20 4x4x124 8x16x16 4x12x44 4x8x68 4x20x28 "
-    "12x12x16 4x4x148 4x8x76 4x12x52 8x16x20 4x4x164 8x12x28 4x4x172 8x8x44 12x12x20 4x8x92 4x4x188 "
-    "12x16x16 4x28x28 8x20x20 4x12x68 8x8x52 4x4x212 12x12x24 4x20x44 8x16x28 4x12x76 4x8x116 "
-    "4x4x236 12x16x20 4x4x244 4x8x124 12x12x28 16x16x16 4x20x52 8x12x44 8x8x68 4x12x92 8x20x28 "
-    "12x16x24 4x8x148 12x20x20 8x8x76 4x28x44 8x12x52 16x16x20 12x12x36 4x8x164 12x16x28 4x20x68 "
-    "4x8x172 4x12x116 8x16x44 12x20x24 4x28x52 8x8x92 4x12x124 4x8x188 4x20x76 16x16x24 12x24x24 "
-    "16x20x28"
-).split()
+_V5P_TOPOLOGIES = """
+    2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x4x12 4x8x8 4x4x20 4x8x12 4x4x28 8x8x8 4x12x12 4x8x20
+    4x4x44 8x8x12 4x4x52 4x8x28 4x12x20 8x8x16 4x4x68 8x12x12 4x4x76 8x8x20 4x12x28 4x8x44
+    4x4x92 8x12x16 4x20x20 4x8x52 12x12x12 8x8x28 4x4x116 8x12x20 4x4x124 8x16x16 4x12x44
+    4x8x68 4x20x28 12x12x16 4x4x148 4x8x76 4x12x52 8x16x20 4x4x164 8x12x28 4x4x172 8x8x44
+    12x12x20 4x8x92 4x4x188 12x16x16 4x28x28 8x20x20 4x12x68 8x8x52 4x4x212 12x12x24 4x20x44
+    8x16x28 4x12x76 4x8x116 4x4x236 12x16x20 4x4x244 4x8x124 12x12x28 16x16x16 4x20x52 8x12x44
+    8x8x68 4x12x92 8x20x28 12x16x24 4x8x148 12x20x20 8x8x76 4x28x44 8x12x52 16x16x20 12x12x36
+    4x8x164 12x16x28 4x20x68 4x8x172 4x12x116 8x16x44 12x20x24 4x28x52 8x8x92 4x12x124 4x8x188
+    4x20x76 16x16x24 12x24x24 16x20x28
+""".split()
 _2D_TOPOLOGIES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 
 GENERATIONS: tuple[Generation, ...] = (
@@ -174,10 +174,10 @@ def slice_topology(accelerator_type: str, topology: str | None = None) -> SliceT
                      for t in generation.default_topologies}
         if number not in by_number:
             raise ValueError(
-                f"TPU accelerator type {accelerator_type!r} has no documented default topology; "
-                f"{generation.prefix} sizes are {sorted(by_number)}. A slice of another shape must report "
-                f"its topology (gcloud's acceleratorConfig.topology, or TOPOLOGY in the TPU VM's "
-                f"tpu-env metadata).\nValid forms:\n"
+                f"TPU accelerator type {accelerator_type!r} has no documented default topology. A "
+                "slice of another shape must report its topology (gcloud's "
+                "acceleratorConfig.topology, or TOPOLOGY in the TPU VM's tpu-env metadata).\n"
+                "Valid forms:\n"
                 f"{valid_forms()}")
         topology = by_number[number]
     axes = _axes(topology)

@@ -37,7 +37,7 @@ from tpudist.launch.topology import SliceTopology, bounds_str, from_bounds, slic
 
 # --- Google's TPU runtime variables ------------------------------------------------------------
 TPU_WORKER_ID = "TPU_WORKER_ID"  # this worker's index in the slice
-TPU_WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # every worker's address, comma-separated, worker order
+TPU_WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # every worker's address, comma-separated, in order
 TPU_ACCELERATOR_TYPE = "TPU_ACCELERATOR_TYPE"  # "v4-32"
 TPU_TOPOLOGY = "TPU_TOPOLOGY"  # "2x2x4", as GKE sets it
 TPU_HOST_BOUNDS = "TPU_HOST_BOUNDS"  # workers along each axis: "1,1,4"
@@ -85,8 +85,9 @@ def cluster_slice(cluster: Cluster) -> SliceTopology:
         tpu = from_bounds(accelerator_type, chip_bounds, host_bounds, topology)
     else:
         tpu = slice_topology(accelerator_type, topology)
-        if chip_bounds or host_bounds:
-            tpu = from_bounds(accelerator_type, chip_bounds or bounds_str(tpu.chips_per_host_bounds),
+        if chip_bounds or host_bounds:  # only one of the two in tpu-env: it still wins
+            tpu = from_bounds(accelerator_type,
+                              chip_bounds or bounds_str(tpu.chips_per_host_bounds),
                               host_bounds or bounds_str(tpu.host_bounds), topology)
     if tpu.workers != len(cluster.hosts):
         shown = ", ".join(str(h) for h in cluster.hosts[:8]) + (", ..." if len(cluster.hosts) > 8

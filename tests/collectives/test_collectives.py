@@ -1,0 +1,247 @@
+"""Every collective x op x dtype x input kind x groups against numpy, on a 4-process CPU mesh.
+
+All cases run in ONE 4-process job (a module fixture); each test then compares its slice of the
+results with a reference computed in this process from every rank's inputs. Inputs are
+deterministic functions of (rank, case), so the reference sees exactly what each rank sent.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import tpudist
+from tpudist.testing import run_on_mesh
+
+N = 4
+GROUPINGS = {"all": None, "pairs": [[0, 1], [2, 3]], "strided": [[0, 2], [1, 3]]}
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8", "bool"]
+SHAPES = [(), (1,), (7,), (3, 5), (13,)]
+KINDS = ["numpy", "torch", "jax"]
+BIG = 1 << 20  # elements: 4 MiB of float32
+
+_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float64": torch.float64, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
+          "uint8": torch.uint8, "bool": torch.bool}
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def value(rank: int, case: int, dtype: str, shape: tuple, op: str = "sum") -> np.ndarray:
+    """Rank's deterministic input; small integers so sums and products are exact in every dtype."""
+    rng = np.random.default_rng(1000 * case + rank)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    low, high = (1, 3) if op == "prod" else (0, 20 if dtype not in ("int8", "uint8") else 10)
+    if dtype.startswith(("float", "bfloat")):
+        base = rng.integers(low * 4, high * 4, size=shape) / 4.0  # exact in every float dtype
+        return base.astype(np_dtype(dtype))
+    return rng.integers(low, high, size=shape).astype(np_dtype(dtype))
+
+
+def as_kind(a: np.ndarray, kind: str):
+    if kind == "torch":
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) if a.dtype == np_dtype("bfloat16") \
+            else torch.from_numpy(np.ascontiguousarray(a))
+    if kind == "jax":
+        return jnp.asarray(a)
+    return a
+
+
+def to_numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.float().numpy().astype(np_dtype("bfloat16")) if x.dtype == torch.bfloat16 else x.numpy()
+    return np.asarray(x)
+
+
+def reduce_cases():
+    cases = []
+    for op in ("sum", "mean", "max", "min", "prod"):
+        dtypes = [d for d in DTYPES if not (d == "bool" and op not in ("max", "min"))
+                  and not (op == "mean" and not d.startswith(("float", "bfloat")))]
+        leaves = [(d, s, KINDS[i % 3]) for i, (d, s) in enumerate((d, s) for d in dtypes for s in SHAPES)]
+        for g in GROUPINGS:
+            cases.append((op, g, leaves))
+    return cases
+
+
+REDUCE_CASES = reduce_cases()
+MOVE_DTYPES = ["float32", "bfloat16", "int64", "uint8", "bool", "float64"]
+
+
+def scenario() -> dict:
+    """Runs on every rank: every collective case, results keyed by case name, as numpy."""
+    rank = tpudist.process_index()
+    out: dict = {}
+    for ci, (op, g, leaves) in enumerate(REDUCE_CASES):
+        xs = [as_kind(value(rank, ci * 100 + li, d, s, op), k) for li, (d, s, k) in enumerate(leaves)]
+        res = tpudist.all_reduce(xs, op=op, groups=GROUPINGS[g])
+        assert len(res) == len(xs)
+        for li, (x, r) in enumerate(zip(xs, res)):
+            assert type(r) is type(x), (op, g, li, type(x), type(r))
+            assert to_numpy(r).dtype == to_numpy(x).dtype and to_numpy(r).shape == to_numpy(x).shape
+        out[("all_reduce", op, g)] = [to_numpy(r) for r in res]
+    for g in GROUPINGS:
+        for dim in (0, 1, -1):
+            xs = [as_kind(value(rank, 5000 + i, d, (3, 2)), KINDS[i % 3]) for i, d in enumerate(MOVE_DTYPES)]
+            out[("all_gather", dim, g)] = [to_numpy(r) for r in tpudist.all_gather(xs, dim=dim, groups=GROUPINGS[g])]
+        xs0 = [np.float32(rank + 0.5), np.array(rank, np.int64)]
+        out[("all_gather_0d", g)] = [to_numpy(r) for r in tpudist.all_gather(xs0, groups=GROUPINGS[g])]
+        for op in ("sum", "mean", "max", "min", "prod"):
+            dts = ["float32", "bfloat16", "int32"] if op != "mean" else ["float32", "bfloat16", "float64"]
+            xs = [as_kind(value(rank, 6000 + i, d, (8, 3), op), KINDS[i % 3]) for i, d in enumerate(dts)]
+            res = tpudist.reduce_scatter(xs, op=op, dim=0, groups=GROUPINGS[g])
+            out[("reduce_scatter", op, g)] = [to_numpy(r) for r in res]
+        x = as_kind(value(rank, 6500, "float32", (2, 12)), "torch")
+        out[("reduce_scatter_dim1", g)] = to_numpy(tpudist.reduce_scatter(x, dim=1, groups=GROUPINGS[g]))
+        for split, concat in ((0, 0), (1, 0), (0, 1)):
+            xs = [as_kind(value(rank, 7000 + i, d, (4, 4)), KINDS[i % 3]) for i, d in enumerate(MOVE_DTYPES)]
+            res = tpudist.all_to_all(xs, split_dim=split, concat_dim=concat, groups=GROUPINGS[g])
+            out[("all_to_all", split, concat, g)] = [to_numpy(r) for r in res]
+        srcs = (0, 3) if g == "all" else (1,)
+        for src in srcs:
+            xs = [as_kind(value(rank, 8000 + i, d, s), KINDS[i % 3])
+                  for i, (d, s) in enumerate((d, s) for d in MOVE_DTYPES for s in ((), (5,)))]
+            out[("broadcast", src, g)] = [to_numpy(r) for r in tpudist.broadcast(xs, src=src, groups=GROUPINGS[g])]
+    special = np.array([-0.0, np.nan, np.inf], np.float32) if rank == 2 else np.zeros(3, np.float32)
+    out["broadcast_bits"] = tpudist.broadcast(special, src=2).view(np.uint32)
+    ring = [[r, (r + 1) % N] for r in range(N)]
+    out["permute_ring"] = to_numpy(tpudist.collective_permute(torch.tensor([rank, 10 * rank]), ring))
+    out["permute_partial"] = tpudist.collective_permute(np.full(3, rank + 1.5, np.float32), [[0, 3], [3, 1]])
+    # Several MiB: reduce_scatter with 4 MiB chunks is where gloo's psum_scatter went wrong (jax#40830).
+    big = value(rank, 9000, "float32", (N * BIG,))
+    out["big_reduce_scatter"] = tpudist.reduce_scatter(big)
+    out["big_all_reduce"] = to_numpy(tpudist.all_reduce(torch.from_numpy(big[:BIG * 2 + 3].copy())))
+    # Structures and scalars keep their shape and Python types.
+    tree = {"a": [1, 2.5, True], "b": (np.float32(rank),), "c": {"d": torch.ones(2) * rank}}
+    out["tree"] = tpudist.all_reduce(tree, op="max")
+    out["empty"] = [to_numpy(r) for r in tpudist.all_reduce([np.zeros((0,), np.float32), torch.zeros(0, 3)])]
+    out["empty_gather"] = tpudist.all_gather(np.zeros((0, 2), np.int32))
+    out["scaled"] = tpudist.all_reduce(np.float32(rank), scale=0.5)
+    tpudist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_on_mesh(scenario, nprocs=N, cpu_devices=1, timeout=600)
+
+
+def ref_groups(g: str) -> list[list[int]]:
+    return GROUPINGS[g] or [list(range(N))]
+
+
+def group_of(rank: int, g: str) -> list[int]:
+    return next(grp for grp in ref_groups(g) if rank in grp)
+
+
+def reduce_np(stack: np.ndarray, op: str, dtype: np.dtype) -> np.ndarray:
+    wide = stack.astype(np.float64) if dtype.kind == "f" or dtype == np_dtype("bfloat16") else stack
+    fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    return fn(wide, axis=0).astype(dtype)
+
+
+@pytest.mark.parametrize("case", range(len(REDUCE_CASES)),
+                         ids=[f"{op}-{g}" for op, g, _ in REDUCE_CASES])
+def test_all_reduce_matches_numpy(results, case):
+    op, g, leaves = REDUCE_CASES[case]
+    for rank in range(N):
+        members = group_of(rank, g)
+        for li, (d, s, _) in enumerate(leaves):
+            stack = np.stack([value(r, case * 100 + li, d, s, op) for r in members])
+            expect = reduce_np(stack, op, np_dtype(d))
+            got = results[rank][("all_reduce", op, g)][li]
+            np.testing.assert_array_equal(got, expect, err_msg=f"rank {rank} {op} {g} {d} {s}")
+
+
+@pytest.mark.parametrize("g", GROUPINGS)
+def test_all_gather_matches_numpy(results, g):
+    for rank in range(N):
+        members = group_of(rank, g)
+        for dim in (0, 1, -1):
+            for i, d in enumerate(MOVE_DTYPES):
+                expect = np.concatenate([value(r, 5000 + i, d, (3, 2)) for r in members], axis=dim)
+                np.testing.assert_array_equal(results[rank][("all_gather", dim, g)][i], expect)
+        got = results[rank][("all_gather_0d", g)]
+        np.testing.assert_array_equal(got[0], np.array([r + 0.5 for r in members], np.float32))
+        np.testing.assert_array_equal(got[1], np.array(members, np.int64))
+
+
+@pytest.mark.parametrize("g", GROUPINGS)
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+def test_reduce_scatter_matches_numpy(results, g, op):
+    for rank in range(N):
+        members = group_of(rank, g)
+        pos = members.index(rank)
+        dts = ["float32", "bfloat16", "int32"] if op != "mean" else ["float32", "bfloat16", "float64"]
+        for i, d in enumerate(dts):
+            full = reduce_np(np.stack([value(r, 6000 + i, d, (8, 3), op) for r in members]), op, np_dtype(d))
+            chunk = 8 // len(members)
+            np.testing.assert_array_equal(results[rank][("reduce_scatter", op, g)][i],
+                                          full[pos * chunk:(pos + 1) * chunk])
+        full = np.sum([value(r, 6500, "float32", (2, 12)) for r in members], axis=0)
+        chunk = 12 // len(members)
+        np.testing.assert_array_equal(results[rank][("reduce_scatter_dim1", g)], full[:, pos * chunk:(pos + 1) * chunk])
+
+
+@pytest.mark.parametrize("g", GROUPINGS)
+def test_all_to_all_matches_numpy(results, g):
+    for rank in range(N):
+        members = group_of(rank, g)
+        pos = members.index(rank)
+        for split, concat in ((0, 0), (1, 0), (0, 1)):
+            for i, d in enumerate(MOVE_DTYPES):
+                chunks = [np.split(value(r, 7000 + i, d, (4, 4)), len(members), axis=split)[pos] for r in members]
+                np.testing.assert_array_equal(results[rank][("all_to_all", split, concat, g)][i],
+                                              np.concatenate(chunks, axis=concat))
+
+
+@pytest.mark.parametrize("g", GROUPINGS)
+def test_broadcast_matches_numpy(results, g):
+    for rank in range(N):
+        members = group_of(rank, g)
+        for src in ((0, 3) if g == "all" else (1,)):
+            combos = [(d, s) for d in MOVE_DTYPES for s in ((), (5,))]
+            for i, (d, s) in enumerate(combos):
+                np.testing.assert_array_equal(results[rank][("broadcast", src, g)][i],
+                                              value(members[src], 8000 + i, d, s))
+
+
+def test_broadcast_is_bit_exact(results):
+    expect = np.array([-0.0, np.nan, np.inf], np.float32).view(np.uint32)
+    for rank in range(N):
+        np.testing.assert_array_equal(results[rank]["broadcast_bits"], expect)
+
+
+def test_collective_permute(results):
+    for rank in range(N):
+        src = (rank - 1) % N
+        np.testing.assert_array_equal(results[rank]["permute_ring"], [src, 10 * src])
+    expect = {3: 1.5, 1: 4.5}
+    for rank in range(N):
+        np.testing.assert_array_equal(results[rank]["permute_partial"], np.full(3, expect.get(rank, 0.0), np.float32))
+
+
+def test_several_mib(results):
+    stack = np.stack([value(r, 9000, "float32", (N * BIG,)) for r in range(N)])
+    total = stack.sum(axis=0, dtype=np.float64).astype(np.float32)
+    for rank in range(N):
+        np.testing.assert_array_equal(results[rank]["big_reduce_scatter"], total[rank * BIG:(rank + 1) * BIG])
+        np.testing.assert_array_equal(results[rank]["big_all_reduce"], total[:BIG * 2 + 3])
+
+
+def test_structure_kinds_and_scalars(results):
+    for rank in range(N):
+        tree = results[rank]["tree"]
+        assert tree["a"] == [1, 2.5, True] and [type(v) for v in tree["a"]] == [int, float, bool]
+        assert isinstance(tree["b"], tuple) and tree["b"][0] == np.float32(N - 1)
+        assert type(tree["b"][0]) is np.float32
+        assert isinstance(tree["c"]["d"], torch.Tensor)
+        assert torch.equal(tree["c"]["d"], torch.full((2,), float(N - 1)))
+        assert [e.shape for e in results[rank]["empty"]] == [(0,), (0, 3)]
+        assert results[rank]["empty_gather"].shape == (0, 2)
+        assert results[rank]["scaled"] == np.float32(sum(range(N)) * 0.5)

@@ -1,0 +1,61 @@
+"""The autograd glue: a torch.autograd.Function whose forward and backward are XLA executables.
+
+Forward runs `jax.vjp` of the lowered graph inside one jitted executable, which returns the
+outputs and the VJP closure holding the residuals XLA chose to keep; backward runs a second
+executable applying that closure to the incoming gradients. torch's autograd engine then
+accumulates the results into the original parameters' `.grad`, so torch.optim works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+from torch.autograd.function import once_differentiable
+
+from tpudist.compile._torch._convert import to_jax, to_torch
+
+
+class XlaCall:
+    """One call's state, shared by the Function's forward and the code that called it.
+
+    program: the cache entry (see _module.Program); arrays: every tensor input as a JAX array;
+    diff: positions in `arrays` to differentiate; seed: the per-call RNG seed.
+    After forward, `rest` holds the outputs that bypass autograd (non-float user outputs, buffer
+    and input updates), in the program's order of non-differentiable outputs.
+    """
+
+    def __init__(self, program: Any, arrays: list[jax.Array], diff: tuple[int, ...], seed: Any):
+        self.program, self.arrays, self.diff, self.seed = program, arrays, diff, seed
+        self.rest: list[jax.Array] = []
+
+
+class XlaFunction(torch.autograd.Function):
+    """`XlaFunction.apply(call, *diff_tensors)` -> the differentiable (floating) user outputs."""
+
+    @staticmethod
+    def forward(ctx: Any, call: XlaCall, *diff_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        primal, rest, vjp = call.program.forward_with_vjp(call.diff, call.arrays, call.seed)
+        jax.block_until_ready((primal, rest))
+        call.rest = list(rest)
+        call.arrays = None  # drop the input views: only the VJP's residuals stay alive
+        ctx.vjp, ctx.program = vjp, call.program
+        ctx.input_dtypes = [t.dtype for t in diff_tensors]
+        # saved only for torch's version check: stepping the optimizer between this forward and
+        # its backward must fail as loudly as it does in eager torch
+        ctx.save_for_backward(*diff_tensors)
+        return tuple(to_torch(a, dtype) for a, dtype in zip(primal, call.program.float_output_dtypes))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.saved_tensors  # raises if a differentiated tensor was modified in place since forward
+        vjp, ctx.vjp = ctx.vjp, None  # the residuals are freed as soon as they are used
+        if vjp is None:
+            raise RuntimeError("torch -> XLA: a second backward through the same compiled forward; its "
+                               "residuals are freed by the first (retain_graph=True is not supported). "
+                               "Run the compiled module again, or sum the losses and call backward once.")
+        input_grads = ctx.program.backward(vjp, [to_jax(g) for g in grads])
+        jax.block_until_ready(input_grads)
+        return (None, *(to_torch(g, dtype) for g, dtype in zip(input_grads, ctx.input_dtypes)))

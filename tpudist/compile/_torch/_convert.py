@@ -1,0 +1,66 @@
+"""Crossing between torch tensors and JAX arrays: dtypes and DLPack.
+
+The bridge computes in 32 bits, as JAX does by default (`jax_enable_x64` off): int64 tensors
+(indices, counters) enter as int32 and float64 as float32; results go back in the dtype eager torch
+would have produced. Same-width tensors cross through DLPack, zero-copy on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+_TORCH_TO_NUMPY = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(jnp.bfloat16),
+    torch.int64: np.dtype(np.int32),
+    torch.int32: np.dtype(np.int32),
+    torch.int16: np.dtype(np.int16),
+    torch.int8: np.dtype(np.int8),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex64),
+}
+
+# dtypes that must be narrowed (by torch, before crossing) to the 32-bit dtype JAX computes in
+_NARROW = {torch.int64: torch.int32, torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def jax_dtype(dtype: torch.dtype) -> np.dtype:
+    """The dtype JAX computes `dtype` in, e.g. `torch.int64 -> int32`."""
+    try:
+        return _TORCH_TO_NUMPY[dtype]
+    except KeyError:
+        raise TypeError(f"torch -> XLA: tensors of dtype {dtype} are not supported; "
+                        f"supported dtypes: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}") from None
+
+
+def to_jax(tensor: torch.Tensor, copy: bool = False) -> jax.Array:
+    """A JAX array with `tensor`'s values; shares memory with it unless `copy` or a narrowing applies.
+
+    A shared array must not be read after torch writes the tensor in place; callers pass
+    `copy=True` for tensors the compiled graph itself will update (mutated buffers).
+    """
+    t = tensor.detach()
+    if t.dtype in _NARROW:
+        t = t.to(_NARROW[t.dtype])
+    elif copy:
+        t = t.clone()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return jax.dlpack.from_dlpack(t)
+
+
+def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
+    """A torch tensor viewing `array` (zero-copy), widened to `dtype` when the bridge narrowed it.
+
+    The caller must drop every other reference to `array`: torch may write the tensor in place
+    (gradient accumulation does), which JAX, treating arrays as immutable, would not expect.
+    """
+    tensor = torch.from_dlpack(array)
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)

@@ -1,0 +1,88 @@
+"""Lowering: a captured core-ATen graph -> one JAX function, by walking it through the registry.
+
+The function takes the graph's tensor inputs (as JAX arrays, in placeholder order, literals left
+out) and a uint32 seed, and returns the graph's outputs. Traced under `jax.jit`, every op becomes
+XLA HLO; nothing of torch remains at run time.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpudist.compile._torch._capture import Captured, module_path
+from tpudist.compile._torch._convert import jax_dtype
+from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, lookup
+
+# keyword arguments that describe torch placement or layout, meaningless to XLA
+_PLACEMENT_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format", "non_blocking"})
+
+
+def lower(captured: Captured) -> Callable[[Sequence[jax.Array], jax.Array], tuple[Any, ...]]:
+    """The JAX function computing `captured`'s graph: `run(tensor_inputs, seed) -> outputs`."""
+    nodes = list(captured.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
+    tensor_placeholders = [n for n in placeholders if n not in literals]
+
+    def run(tensors: Sequence[jax.Array], seed: jax.Array) -> tuple[Any, ...]:
+        assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
+        env: dict[torch.fx.Node, Any] = dict(literals)
+        env.update(zip(tensor_placeholders, tensors))
+        key = jax.random.key(seed) if captured.has_random else None
+        for position, node in enumerate(nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:
+                env[node] = _conform(env[node.args[0]][node.args[1]], node)
+            elif node.target not in IGNORED_OPS:
+                env[node] = _apply(node, env, key, position)
+        output = next(n for n in nodes if n.op == "output")
+        return tuple(_read(value, env) for value in output.args[0])
+
+    return run
+
+
+def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
+    lowering = lookup(node.target)
+    assert lowering is not None, f"{node.target} passed capture's op check but has no lowering"
+    args = [_read(a, env) for a in node.args]
+    kwargs = {k: _read(v, env) for k, v in node.kwargs.items() if k not in _PLACEMENT_KWARGS}
+    if lowering.random:
+        args.insert(0, jax.random.fold_in(key, position))
+    try:
+        result = lowering.fn(*args, **kwargs)
+    except UnsupportedOpError as exc:
+        raise UnsupportedOpError(f"{exc} (in {module_path(node)})") from None
+    if isinstance(result, (tuple, list)):
+        return result  # multi-output ops are conformed element by element when read (getitem)
+    return _conform(result, node)
+
+
+def _read(value: Any, env: dict) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return env[value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_read(v, env) for v in value)
+    if isinstance(value, torch.dtype):
+        return jax_dtype(value)
+    return value
+
+
+def _conform(value: Any, node: torch.fx.Node) -> Any:
+    """Casts a lowering's result to the dtype torch recorded for the node, and checks its shape."""
+    expected = node.meta.get("val")
+    if not isinstance(expected, torch.Tensor):
+        return value
+    value = jnp.asarray(value)
+    dtype = jax_dtype(expected.dtype)
+    if value.dtype != dtype:
+        value = value.astype(dtype)
+    assert value.shape == tuple(expected.shape), (
+        f"lowering of {node.target} ({module_path(node)}) returned shape {value.shape}, torch expects "
+        f"{tuple(expected.shape)}")
+    return value

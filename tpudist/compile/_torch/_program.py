@@ -1,0 +1,133 @@
+"""A Program: one cache entry of a compiled module, for one input signature and train/eval mode.
+
+It owns the captured graph, the lowered JAX function and its executables (plain forward,
+forward-with-VJP per set of differentiated inputs, backward), and runs one call end to end:
+torch tensors in, XLA, torch tensors out, buffers updated in place as eager torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from tpudist.compile._torch._autograd import XlaCall, XlaFunction
+from tpudist.compile._torch._capture import Captured
+from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._lower import lower
+
+
+class Program:
+    """The executables for one captured graph of `module`."""
+
+    def __init__(self, module: torch.nn.Module, captured: Captured):
+        self.captured = captured
+        self._run = lower(captured)
+        self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
+        self._resolve = [_resolver(module, slot, captured) for slot in self._slots]
+        outputs = captured.outputs
+        # floating user outputs go through autograd; everything else (ints, buffer updates) does not
+        self._float = tuple(i for i, o in enumerate(outputs) if o.kind == "user" and o.dtype is not None
+                            and (o.dtype.is_floating_point or o.dtype.is_complex))
+        self._rest = tuple(i for i in range(len(outputs)) if i not in self._float)
+        self.float_output_dtypes = [outputs[i].dtype for i in self._float]
+        self._forward = jax.jit(self._run)
+        self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
+        self._backward = jax.jit(_apply_vjp)
+
+    # -- executables ---------------------------------------------------------------------------
+
+    def _vjp_forward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array):
+        def differentiable(diff_arrays):
+            full = list(arrays)
+            for position, value in zip(diff, diff_arrays):
+                full[position] = value
+            outs = self._run(full, seed)
+            return [outs[i] for i in self._float], [outs[i] for i in self._rest]
+
+        primal, vjp, rest = jax.vjp(differentiable, [arrays[p] for p in diff], has_aux=True)
+        return primal, rest, vjp
+
+    def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any):
+        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`."""
+        return self._forward_with_vjp(diff, arrays, seed)
+
+    def backward(self, vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
+        """Gradients of the differentiated inputs: one XLA executable."""
+        return self._backward(vjp, cotangents)
+
+    def executables(self) -> int:
+        """How many XLA executables this program has compiled so far."""
+        return sum(f._cache_size() for f in (self._forward, self._forward_with_vjp, self._backward))
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def __call__(self, leaves: list[Any]) -> Any:
+        tensors = [resolve(leaves) for resolve in self._resolve]
+        grad = torch.is_grad_enabled()
+        diff = tuple(i for i, (t, slot) in enumerate(zip(tensors, self._slots))
+                     if grad and slot.used and slot.kind in ("param", "input") and t.requires_grad
+                     and (t.is_floating_point() or t.is_complex()))
+        arrays = [to_jax(t, copy=slot.mutated) for t, slot in zip(tensors, self._slots)]
+        seed = _seed() if self.captured.has_random else np.uint32(0)
+        outputs: list[Any] = [None] * len(self.captured.outputs)
+        if diff:
+            call = XlaCall(self, arrays, diff, seed)
+            floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
+            rest = call.rest
+        else:
+            results = jax.block_until_ready(self._forward(arrays, seed))
+            del arrays
+            floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
+            rest = [results[i] for i in self._rest]
+        for i, value in zip(self._float, floats):
+            outputs[i] = value
+        for i, value in zip(self._rest, rest):
+            slot = self.captured.outputs[i]
+            outputs[i] = to_torch(value, slot.dtype) if slot.dtype is not None else value
+        return self._finish(outputs, leaves, tensors)
+
+    def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor]) -> Any:
+        user = []
+        with torch.no_grad():
+            for value, slot in zip(outputs, self.captured.outputs):
+                if slot.kind == "buffer":
+                    self._buffer(slot.target, tensors).copy_(value)  # in place, as eager BatchNorm does
+                elif slot.kind == "input":
+                    leaves[slot.target].copy_(value)
+                else:
+                    user.append(value)
+        return tree_unflatten(user, self.captured.out_spec)
+
+    def _buffer(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        for t, slot in zip(tensors, self._slots):
+            if slot.kind == "buffer" and slot.name == name:
+                return t
+        raise AssertionError(f"buffer {name} is written by the graph but not one of its inputs")
+
+
+def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
+    (grads,) = vjp(cotangents)
+    return grads
+
+
+def _seed() -> np.uint32:
+    # drawn from torch's default generator, so torch.manual_seed makes compiled dropout reproducible
+    return np.uint32(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def _resolver(module: torch.nn.Module, slot: Any, captured: Captured):
+    """A function reading the slot's current tensor; parameters and buffers are looked up on each
+    call (one dict lookup), so reassigning `module.weight` between calls is seen."""
+    if slot.kind in ("param", "buffer"):
+        path, _, attr = slot.name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        table = owner._parameters if slot.kind == "param" else owner._buffers
+        return lambda leaves: table[attr]
+    if slot.kind == "constant":
+        value = captured.constants[slot.name]
+        return lambda leaves: value
+    return lambda leaves: leaves[slot.leaf]

@@ -1,0 +1,97 @@
+"""The op registry: one table from ATen overloads to small JAX functions.
+
+Every lowering is a plain function taking the ATen op's own arguments (tensors arrive as JAX
+arrays, `torch.dtype`s as NumPy dtypes, `device=` / `layout=` / `pin_memory=` / `memory_format=`
+already removed) and returning what the ATen op returns. Adding an op is one decorated function in
+one of the `ops/` family modules:
+
+    @register(aten.tanh.default)
+    def tanh(x):
+        return jnp.tanh(x)
+
+Random ops declare `random=True` and receive a JAX PRNG key as their first argument; the key is
+derived from a per-call seed, so no lowering ever reaches for global state.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# ops that carry no computation once shapes are static; the interpreter skips them
+IGNORED_OPS = frozenset({
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})
+
+SUPPORTED_OPS_HINT = "tpudist.compile.supported_torch_ops()"
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An ATen op (or an argument value of one) that the torch -> XLA bridge cannot lower.
+
+    The message names the op, the module path where it occurs and where the supported ops are listed.
+    """
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """One registry entry: the JAX function for an ATen overload."""
+
+    op: Any
+    fn: Callable[..., Any]
+    random: bool = False
+
+
+_REGISTRY: dict[Any, Lowering] = {}
+
+
+def register(*ops: Any, random: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as the lowering of every ATen overload in `ops`.
+
+    Example:
+        @register(aten.relu.default)
+        def relu(x):
+            return jax.nn.relu(x)
+    """
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            assert op not in _REGISTRY, f"{op} is registered twice ({_REGISTRY.get(op)} and {fn})"
+            _REGISTRY[op] = Lowering(op, fn, random)
+        return fn
+    return decorate
+
+
+def lookup(op: Any) -> Lowering | None:
+    """The lowering of `op`, or None when the bridge does not support it."""
+    _load_families()
+    return _REGISTRY.get(op)
+
+
+def supported_ops() -> list[str]:
+    """Names of every ATen overload the bridge lowers, sorted, e.g. `['aten._log_softmax.default', ...]`."""
+    _load_families()
+    return sorted(str(op) for op in _REGISTRY)
+
+
+def unsupported_message(op: Any, where: str) -> str:
+    """The error text for an op with no lowering: the op, where it is, the nearest supported names."""
+    name = str(op)
+    supported = supported_ops()
+    packet = name.rsplit(".", 1)[0] + "."
+    siblings = [s for s in supported if s.startswith(packet)]
+    near = siblings or difflib.get_close_matches(name, supported, n=4, cutoff=0.6)
+    hint = f"; supported near it: {', '.join(near)}" if near else ""
+    return (f"torch -> XLA: op {name} (in {where}) has no XLA lowering{hint}. "
+            f"The {len(supported)} supported ops are listed by {SUPPORTED_OPS_HINT}; rewrite that part of "
+            "the model with supported ops, or keep it outside the compiled module.")
+
+
+def _load_families() -> None:
+    # the family modules register themselves on import; importing here (not at module top) keeps the
+    # registry importable from the family modules without a cycle
+    from tpudist.compile._torch import ops  # noqa: F401

@@ -1,0 +1,13 @@
+"""ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
+
+from tpudist.compile._torch.ops import (  # noqa: F401  (imported for their registrations)
+    conv_pool,
+    creation,
+    index,
+    linalg,
+    norm,
+    pointwise,
+    random,
+    reduction,
+    shape,
+)

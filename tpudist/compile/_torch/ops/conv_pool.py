@@ -1,0 +1,159 @@
+"""Convolution and pooling over the trailing 1-3 spatial dims (NCHW layout, as torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from tpudist.compile._torch._registry import register
+from tpudist.compile._torch.ops._util import unsupported_arg
+
+aten = __import__("torch").ops.aten
+
+
+def _per_dim(value, n):
+    value = [value] if isinstance(value, int) else list(value)
+    return value * n if len(value) == 1 else value
+
+
+@register(aten.convolution.default)
+def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = weight.ndim - 2
+    stride, padding, dilation = (_per_dim(v, nd) for v in (stride, padding, dilation))
+    spatial = "DHW"[-nd:] if nd <= 3 else None
+    if spatial is None:
+        raise unsupported_arg("aten.convolution", f"{nd} spatial dims")
+    dn = lax.conv_dimension_numbers(x.shape, weight.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    if not transposed:
+        out = lax.conv_general_dilated(x, weight, stride, [(p, p) for p in padding], rhs_dilation=dilation,
+                                       dimension_numbers=dn, feature_group_count=groups)
+    else:
+        # a transposed conv is the plain conv of the stride-dilated input with the flipped kernel,
+        # in/out channels swapped within each group
+        k = weight.shape[2:]
+        cin, cout_g = weight.shape[:2]
+        w = weight.reshape((groups, cin // groups, cout_g) + k).swapaxes(1, 2).reshape((groups * cout_g, cin // groups) + k)
+        w = jnp.flip(w, tuple(range(2, 2 + nd)))
+        extra = _per_dim(output_padding, nd)
+        pads = [(d * (kk - 1) - p, d * (kk - 1) - p + e) for kk, p, d, e in zip(k, padding, dilation, extra)]
+        dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+        out = lax.conv_general_dilated(x, w, (1,) * nd, pads, lhs_dilation=stride, rhs_dilation=dilation,
+                                       dimension_numbers=dn, feature_group_count=groups)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * nd)
+    return out
+
+
+def _window(size, k, s, p, d, ceil_mode):
+    """torch's pooling geometry along one dim: (output size, right padding that yields it)."""
+    span = d * (k - 1) + 1
+    out = (size + 2 * p - span + ((s - 1) if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1  # the last window must start inside the input or the left padding
+    return out, max((out - 1) * s + span - size - p, 0)
+
+
+def _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
+    k = _per_dim(kernel_size, nd)
+    s = _per_dim(stride, nd) if stride else k
+    p, d = _per_dim(padding, nd), _per_dim(dilation, nd)
+    lead = x.ndim - nd
+    geometry = [_window(x.shape[lead + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(nd)]
+    pads = [(0, 0)] * lead + [(p[i], geometry[i][1]) for i in range(nd)]
+    one = (1,) * lead
+    return one + tuple(k), one + tuple(s), pads, one + tuple(d), [g[0] for g in geometry]
+
+
+def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
+    window, strides, pads, dil, _ = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd)
+    lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    plane = x.shape[x.ndim - nd:]
+    flat = jnp.broadcast_to(jnp.arange(int(np.prod(plane)), dtype=jnp.int32).reshape(plane), x.shape)
+
+    def first_max(a, b):  # the earliest position among equal maxima, as torch reports it
+        take_a = (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+        return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
+
+    _, indices = lax.reduce_window((lax.stop_gradient(x), flat), (jnp.asarray(lowest, x.dtype), jnp.int32(2**31 - 1)),
+                                   first_max, window, strides, pads, window_dilation=dil)
+    if all(v == 1 for v in dil):
+        values = lax.reduce_window(x, jnp.asarray(lowest, x.dtype), lax.max, window, strides, pads)
+    else:
+        # JAX has no gradient for dilated max windows; reading the values at the indices gives
+        # the gradient torch computes (all of it to the chosen element)
+        lead = x.shape[:x.ndim - nd]
+        values = jnp.take_along_axis(x.reshape(lead + (-1,)), indices.reshape(lead + (-1,)), axis=-1)
+        values = values.reshape(indices.shape)
+    return values, indices
+
+
+@register(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@register(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+def _avg_divisor(size, out, k, s, p, count_include_pad):
+    """Per-output-position divisor along one dim, computed at trace time from static shapes."""
+    start = np.arange(out) * s - p
+    end = np.minimum(start + k, size + p)
+    if count_include_pad:
+        return (end - start).astype(np.float32)
+    return (np.minimum(end, size) - np.maximum(start, 0)).astype(np.float32)
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd):
+    window, strides, pads, _, outs = _pool_args(x, kernel_size, stride, padding, 1, ceil_mode, nd)
+    sums = lax.reduce_window(x, jnp.asarray(0, x.dtype), lax.add, window, strides, pads)
+    if divisor_override:
+        return sums / divisor_override
+    lead = x.ndim - nd
+    divisor = np.ones((), np.float32)
+    for i in range(nd):
+        per_dim = _avg_divisor(x.shape[lead + i], outs[i], window[lead + i], strides[lead + i],
+                               pads[lead + i][0], count_include_pad)
+        divisor = np.multiply.outer(divisor, per_dim)
+    return sums / jnp.asarray(divisor, x.dtype)
+
+
+@register(aten.avg_pool2d.default)
+def avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@register(aten.avg_pool3d.default)
+def avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+def _adaptive_avg(x, output_size, nd):
+    lead = x.ndim - nd
+    for i, out in enumerate(_per_dim(output_size, nd)):
+        axis, size = lead + i, x.shape[lead + i]
+        if size % out == 0:
+            shape = x.shape[:axis] + (out, size // out) + x.shape[axis + 1:]
+            x = jnp.mean(x.reshape(shape), axis=axis + 1)
+            continue
+        # uneven windows [floor(o*size/out), ceil((o+1)*size/out)): an averaging matrix
+        weights = np.zeros((out, size), np.float32)
+        for o in range(out):
+            lo, hi = (o * size) // out, -((-(o + 1) * size) // out)
+            weights[o, lo:hi] = 1.0 / (hi - lo)
+        x = jnp.moveaxis(jnp.tensordot(x, jnp.asarray(weights, x.dtype).T, axes=([axis], [0]),
+                                       precision=lax.Precision.HIGHEST), -1, axis)
+    return x
+
+
+@register(aten._adaptive_avg_pool2d.default)
+def adaptive_avg_pool2d(x, output_size):
+    return _adaptive_avg(x, output_size, 2)
+
+
+@register(aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool3d(x, output_size):
+    return _adaptive_avg(x, output_size, 3)

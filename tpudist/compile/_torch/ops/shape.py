@@ -1,0 +1,145 @@
+"""Views and layout: view / reshape / permute / expand / squeeze / cat / split / slice / pad.
+
+With static shapes every view is a value-level reshape or slice; strides and storage sharing do
+not exist on the JAX side (the captured graph is functional), so `as_strided` is not lowered.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+from jax import lax
+
+from tpudist.compile._torch._registry import register
+from tpudist.compile._torch.ops._util import dim
+
+aten = __import__("torch").ops.aten
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def view(x, size):
+    return jnp.reshape(x, tuple(size))
+
+
+@register(aten.permute.default)
+def permute(x, dims):
+    return jnp.transpose(x, tuple(dims))
+
+
+@register(aten.t.default)
+def t(x):
+    return x.T
+
+
+@register(aten.transpose.int)
+def transpose(x, dim0, dim1):
+    return jnp.swapaxes(x, dim0, dim1)
+
+
+@register(aten.expand.default)
+def expand(x, size, *, implicit=False):
+    lead = len(size) - x.ndim
+    shape = tuple(x.shape[i - lead] if s == -1 else s for i, s in enumerate(size))
+    return jnp.broadcast_to(x, shape)
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze(x, d):
+    return jnp.expand_dims(x, d % (x.ndim + 1))
+
+
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze(x, dims=None):
+    if x.ndim == 0:
+        return x
+    if dims is None:
+        dims = range(x.ndim)
+    elif isinstance(dims, int):
+        dims = [dims]
+    # torch silently keeps dims whose size is not 1
+    return jnp.squeeze(x, tuple(d % x.ndim for d in dims if x.shape[d % x.ndim] == 1))
+
+
+@register(aten.cat.default)
+def cat(tensors, dim=0):
+    # torch still accepts legacy empty 1-d tensors of any rank mismatch in cat; they add nothing
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
+    return jnp.concatenate(tensors, axis=dim % tensors[0].ndim)
+
+
+@register(aten.split_with_sizes.default)
+def split_with_sizes(x, split_sizes, dim=0):
+    d = dim % x.ndim
+    cuts = list(itertools.accumulate(split_sizes))[:-1]
+    return jnp.split(x, cuts, axis=d)
+
+
+@register(aten.split.Tensor)
+def split(x, split_size, dim=0):
+    n = x.shape[dim % x.ndim]
+    return split_with_sizes(x, [min(split_size, n - i) for i in range(0, n, split_size)] or [0], dim)
+
+
+@register(aten.unbind.int)
+def unbind(x, dim=0):
+    d = dim % x.ndim
+    return [lax.index_in_dim(x, i, d, keepdims=False) for i in range(x.shape[d])]
+
+
+@register(aten.slice.Tensor)
+def slice_(x, dim=0, start=None, end=None, step=1):
+    d = dim % x.ndim
+    lo, hi, st = slice(start, end, step).indices(x.shape[d])
+    if hi <= lo:
+        return lax.slice_in_dim(x, lo, lo, 1, d)
+    return lax.slice_in_dim(x, lo, hi, st, d)
+
+
+@register(aten.select.int)
+def select(x, dim_, index):
+    d = dim(dim_, x.ndim)
+    return lax.index_in_dim(x, index % x.shape[d], d, keepdims=False)
+
+
+@register(aten.narrow.default)
+def narrow(x, dim_, start, length):
+    d = dim(dim_, x.ndim)
+    start %= x.shape[d]
+    return lax.slice_in_dim(x, start, start + length, 1, d)
+
+
+@register(aten.flip.default)
+def flip(x, dims):
+    return jnp.flip(x, tuple(dims))
+
+
+@register(aten.roll.default)
+def roll(x, shifts, dims=()):
+    if not dims:
+        return jnp.roll(x.reshape(-1), shifts).reshape(x.shape)
+    return jnp.roll(x, tuple(shifts), tuple(dims))
+
+
+@register(aten.repeat.default)
+def repeat(x, repeats):
+    return jnp.tile(x, tuple(repeats))
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(x, pad, value=0):
+    # pad lists (before, after) pairs from the last dim backwards; negative amounts crop
+    config = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        config[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1], 0)
+    return lax.pad(x, jnp.asarray(value, x.dtype), config)
+
+
+@register(aten.tril.default)
+def tril(x, diagonal=0):
+    return jnp.tril(x, diagonal)
+
+
+@register(aten.triu.default)
+def triu(x, diagonal=0):
+    return jnp.triu(x, diagonal)

@@ -1,0 +1,192 @@
+"""SSH to one host with paramiko: ~/.ssh/config, known_hosts checking, and the control-port forward.
+
+`connect` resolves the host through ~/.ssh/config (HostName, User, Port, IdentityFile, ProxyCommand),
+logs in with the given key, the SSH agent or the default keys, and checks the host key against
+known_hosts: an unknown key is refused (`HostKeyUnknown`, naming the host and --accept-new-host-keys)
+unless `accept_new` is set, and a changed key is always refused. Every step has a timeout.
+
+`forward_control_port` asks the host's sshd to listen on its 127.0.0.1:<port> and carries each
+connection there back over this SSH connection to the launcher's control server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import socket
+import threading
+
+import paramiko
+
+from tpudist.launch._cluster import Host
+
+_known_hosts_lock = threading.Lock()
+
+
+class SshError(Exception):
+    """Reaching or logging in to a host failed; the message names the host and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SshOptions:
+    user: str | None = None
+    port: int | None = None
+    key: str | None = None
+    known_hosts: str | None = None  # None: ~/.ssh/known_hosts (and /etc/ssh/ssh_known_hosts)
+    accept_new: bool = False
+    connect_timeout: float = 30.0
+    config_path: str = "~/.ssh/config"
+
+    def config(self) -> paramiko.SSHConfig:
+        path = os.path.expanduser(self.config_path)
+        return paramiko.SSHConfig.from_path(path) if os.path.exists(path) else paramiko.SSHConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where and as whom a Host is reached, after ~/.ssh/config and the flags."""
+
+    hostname: str
+    port: int
+    user: str
+    keys: tuple[str, ...]
+    proxy_command: str | None
+    known_hosts: str
+
+
+def resolve(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> Target:
+    """Applies the precedence OpenSSH uses: the host's own user/port, then the flags, then the config."""
+    cfg = config.lookup(host.address)
+    keys = (opts.key,) if opts.key else tuple(
+        p for p in (os.path.expanduser(k) for k in cfg.get("identityfile", [])) if os.path.exists(p))
+    known = opts.known_hosts or os.path.expanduser(
+        (cfg.get("userknownhostsfile") or "~/.ssh/known_hosts").split()[0])
+    return Target(hostname=cfg.get("hostname", host.address),
+                  port=int(host.port or opts.port or cfg.get("port", 22)),
+                  user=host.user or opts.user or cfg.get("user") or getpass.getuser(),
+                  keys=keys, proxy_command=cfg.get("proxycommand"), known_hosts=known)
+
+
+class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+    def __init__(self, host: Host, known_hosts: str) -> None:
+        self.host, self.known_hosts = host, known_hosts
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        raise SshError(f"host {self.host}: its {key.get_name()} host key ({_fingerprint(key)}) is not in "
+                       f"{self.known_hosts}. Check it and rerun with --accept-new-host-keys to add it "
+                       "(like OpenSSH's StrictHostKeyChecking=accept-new), or add it with ssh-keyscan.")
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    def __init__(self, known_hosts: str) -> None:
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with _known_hosts_lock:  # hosts connect in parallel; each appends one whole line
+            os.makedirs(os.path.dirname(self.known_hosts) or ".", exist_ok=True)
+            with open(self.known_hosts, "a", encoding="ascii") as f:
+                f.write(line)
+
+
+def _fingerprint(key: paramiko.PKey) -> str:
+    return key.fingerprint if hasattr(key, "fingerprint") else key.get_fingerprint().hex()
+
+
+def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramiko.SSHClient:
+    """An authenticated SSH connection to `host`. Raises SshError naming the host and the fix."""
+    target = resolve(host, opts, config)
+    client = paramiko.SSHClient()
+    if opts.known_hosts is None and os.path.exists("/etc/ssh/ssh_known_hosts"):
+        client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
+    if os.path.exists(target.known_hosts):
+        client.load_host_keys(target.known_hosts)
+    client.set_missing_host_key_policy(
+        _AcceptNew(target.known_hosts) if opts.accept_new else _RefuseUnknown(host, target.known_hosts))
+    where = f"host {host} ({target.user}@{target.hostname}:{target.port})"
+    t = opts.connect_timeout
+    try:
+        sock = paramiko.ProxyCommand(target.proxy_command) if target.proxy_command else None
+        client.connect(target.hostname, port=target.port, username=target.user,
+                       key_filename=list(target.keys) or None, look_for_keys=not opts.key,
+                       allow_agent=True, timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
+                       sock=sock)
+    except SshError:
+        client.close()
+        raise
+    except paramiko.BadHostKeyException as e:
+        client.close()
+        raise SshError(f"{where}: its host key ({_fingerprint(e.key)}) differs from the one in "
+                       f"{target.known_hosts}. This can be an attack; if the host was reinstalled, remove "
+                       f"the old key with `ssh-keygen -R {e.hostname} -f {target.known_hosts}`.") from None
+    except paramiko.AuthenticationException as e:
+        client.close()
+        tried = ", ".join(target.keys) or "the SSH agent and ~/.ssh/id_*"
+        raise SshError(f"{where}: authentication failed ({e}); tried {tried}. Pass --ssh-key FILE, "
+                       "--ssh-user, or add the key to the SSH agent.") from None
+    except (socket.timeout, TimeoutError):
+        client.close()
+        raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is the host up "
+                       "and its SSH port reachable?") from None
+    except socket.gaierror as e:
+        client.close()
+        raise SshError(f"{where}: cannot resolve {target.hostname}: {e.strerror}") from None
+    except (OSError, EOFError, paramiko.SSHException) as e:
+        client.close()
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise SshError(f"{where}: cannot connect: {detail}") from None
+    return client
+
+
+def forward_control_port(client: paramiko.SSHClient, local_port: int) -> int:
+    """Makes the host's 127.0.0.1:<returned port> reach the launcher's 127.0.0.1:`local_port`."""
+    transport = client.get_transport()
+    assert transport is not None
+
+    def accept(channel: paramiko.Channel, origin, server) -> None:
+        threading.Thread(target=_pump, args=(channel, local_port), daemon=True).start()
+
+    port = transport.request_port_forward("127.0.0.1", 0, handler=accept)
+    if not port:
+        raise SshError("the host's sshd refused the remote port forward for the control channel; "
+                       "allow it with `AllowTcpForwarding yes` (or `remote`) in its sshd_config")
+    return port
+
+
+def _pump(channel: paramiko.Channel, local_port: int) -> None:
+    """Copies bytes both ways between a forwarded channel and the local control server."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", local_port), timeout=5)
+    except OSError:
+        channel.close()
+        return
+    sock.settimeout(None)
+
+    def upstream() -> None:  # host -> launcher
+        try:
+            while data := channel.recv(65536):
+                sock.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _shutdown(sock)
+
+    t = threading.Thread(target=upstream, daemon=True)
+    t.start()
+    try:
+        while data := sock.recv(65536):  # launcher -> host
+            channel.sendall(data)
+    except (OSError, EOFError):
+        pass
+    finally:
+        channel.close()
+        t.join(timeout=5)
+        sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,193 @@
+"""The per-host agent: `python -m tpudist.launch.agent`, started by the launcher on every host.
+
+The launcher writes one bootstrap line to the agent's stdin (base64 JSON: control port, job token,
+worker index), so nothing secret or user-given is on a command line. The agent then registers over
+the gRPC control plane, opens its `Session` stream and runs what the launcher sends (Start, Signal,
+Stop, Shutdown), reporting Started / Exited / log lines back.
+
+The agent never outlives its launcher: stdin reaching EOF (the SSH session or the launcher's pipe
+closed), the control stream breaking (gRPC keepalive), SIGTERM, or the parent dying
+(PR_SET_PDEATHSIG) all stop this host's processes (SIGTERM, then SIGKILL) and end the agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import importlib.metadata
+import json
+import os
+import platform
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+import grpc
+
+from tpudist.launch import control_pb2 as pb
+from tpudist.launch import control_pb2_grpc as pb_grpc
+from tpudist.launch._processes import ProcessSet
+from tpudist.launch.plan import free_ports
+
+TOKEN_METADATA = "tpudist-token"
+HEARTBEAT_S = 2.0
+KEEPALIVE_MS = 3000  # a dead launcher is noticed within ~2x this, even if no stdin EOF arrives
+ORPHAN_GRACE_S = 2.0  # SIGTERM-to-SIGKILL when the launcher is gone
+_VERSIONED = ("jax", "jaxlib", "torch", "tpudist")
+_CLOSE = object()
+_MAX_BATCH = 512
+
+
+def read_bootstrap(fd: int, timeout_s: float = 30.0) -> dict:
+    """Reads the launcher's first stdin line without reading past it (the rest is watched for EOF)."""
+    data = b""
+    end = time.monotonic() + timeout_s
+    while not data.endswith(b"\n"):
+        if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+            raise TimeoutError(f"no bootstrap line from the launcher within {timeout_s:.0f} s")
+        chunk = os.read(fd, 1)  # one byte at a time: the line is short and must not over-read
+        if not chunk:
+            raise EOFError("the launcher closed stdin before sending the bootstrap line")
+        data += chunk
+    return json.loads(base64.b64decode(data))
+
+
+def versions() -> dict[str, str]:
+    """Python and package versions, from metadata only: importing jax or torch would take seconds."""
+    found = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def die_with_parent() -> None:
+    """Ask Linux for SIGTERM when the parent (sshd's session, or the launcher) dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stdin EOF and the stream's keepalive still stop the agent
+
+
+class Agent:
+    def __init__(self, boot: dict) -> None:
+        self.worker: int = boot["worker"]
+        self.host: str = boot["host"]
+        self.port: int = boot["port"]
+        self.metadata = ((TOKEN_METADATA, boot["token"]),)
+        self.outbound: queue.Queue = queue.Queue()
+        self.procs = ProcessSet(self.worker, self.outbound.put)
+        self.done = threading.Event()
+        self.reason = ""
+
+    def finish(self, reason: str) -> None:
+        if not self.done.is_set():
+            self.reason = reason
+            self.done.set()
+
+    def run(self) -> int:
+        threading.Thread(target=self._watch_stdin, daemon=True).start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        try:
+            stub = pb_grpc.ControlStub(channel)
+            stub.Register(pb.RegisterRequest(
+                worker=self.worker, host=self.host, hostname=socket.gethostname(), versions=versions(),
+                free_ports=free_ports(2) if self.worker == 0 else [], pid=os.getpid()),
+                metadata=self.metadata, timeout=30, wait_for_ready=True)
+            responses = stub.Session(self._requests(), metadata=self.metadata)
+            threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
+            while not self.done.wait(0.5):  # the main thread stays free for signal handlers
+                pass
+        finally:
+            self._teardown()
+            self.outbound.put(_CLOSE)
+            channel.close()
+        return 0
+
+    def _watch_stdin(self) -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        self.finish("stdin closed: the launcher or its SSH connection is gone")
+
+    def _serve(self, responses) -> None:
+        try:
+            for msg in responses:
+                kind = msg.WhichOneof("kind")
+                if kind == "start":
+                    self.procs.start(msg.start)
+                elif kind == "signal":
+                    self.procs.signal(msg.signal.signum)
+                elif kind == "stop":
+                    self.procs.stop(msg.stop.grace_s)
+                elif kind == "shutdown":
+                    return self.finish("shutdown")
+            self.finish("the launcher ended the control stream")
+        except grpc.RpcError as e:
+            self.finish(f"control stream lost: {e.code().name}")
+
+    def _requests(self):
+        yield pb.AgentMessage(worker=self.worker, hello=pb.Hello())
+        pending = None
+        while True:
+            item = pending if pending is not None else self._next()
+            pending = None
+            if item is _CLOSE:
+                return
+            if isinstance(item, pb.LogLine):  # batch whatever lines are already waiting
+                lines = [item]
+                while len(lines) < _MAX_BATCH:
+                    try:
+                        nxt = self.outbound.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(nxt, pb.LogLine):
+                        pending = nxt
+                        break
+                    lines.append(nxt)
+                item = pb.AgentMessage(worker=self.worker, logs=pb.Logs(lines=lines))
+            yield item
+
+    def _next(self):
+        try:
+            return self.outbound.get(timeout=HEARTBEAT_S)
+        except queue.Empty:
+            return pb.AgentMessage(worker=self.worker, heartbeat=pb.Heartbeat())
+
+    def _teardown(self) -> None:
+        if self.procs.running():
+            self.procs.stop(ORPHAN_GRACE_S)
+        self.procs.wait(ORPHAN_GRACE_S + 2.0)
+        self.procs.kill_groups()  # leftovers the processes started in their groups
+        if self.reason != "shutdown":
+            print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
+                  file=sys.stderr)
+
+
+def main() -> int:
+    boot = read_bootstrap(0)
+    if boot.get("die_with_parent"):
+        die_with_parent()
+        if os.getppid() == 1:  # the parent died before the request took effect
+            return 1
+    agent = Agent(boot)
+    signal.signal(signal.SIGTERM, lambda *_: agent.finish("SIGTERM"))
+    signal.signal(signal.SIGHUP, lambda *_: agent.finish("SIGHUP"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the launcher, which stops us
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The launcher's side of the control plane: a gRPC server on 127.0.0.1 for the job's agents.
+
+Agents reach it through a remote port forward of their SSH connection (or directly with --local), so
+it never listens on a public interface. A server interceptor rejects every call that does not carry
+the job's random token (UNAUTHENTICATED). The server runs on its own asyncio thread and turns what
+agents send into `(kind, worker, payload)` items on a thread-safe queue that the supervisor drains:
+
+    ("registered", worker, RegisterRequest)   an agent started and reported its versions
+    ("session", worker, None)                 its Session stream is open: it can take a Start
+    ("message", worker, AgentMessage)         Started / Exited / Logs / Heartbeat
+    ("lost", worker, reason)                  its Session stream ended
+
+    server = ControlServer(token, events)
+    port = server.start()
+    server.send(worker, pb.LauncherMessage(stop=pb.Stop(grace_s=3)))
+    server.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import queue
+import threading
+
+import grpc
+
+from tpudist.launch import control_pb2 as pb
+from tpudist.launch import control_pb2_grpc as pb_grpc
+
+TOKEN_METADATA = "tpudist-token"
+_REJECTED = "missing or wrong job token (metadata 'tpudist-token'); only this job's agents may call"
+
+
+async def _deny_unary(request, context) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REJECTED)
+
+
+async def _deny_stream(request_iterator, context) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REJECTED)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Lets a call through only if its metadata carries the job token."""
+
+    def __init__(self, token: str, on_reject=None) -> None:
+        self._token = token.encode()
+        self._on_reject = on_reject
+
+    async def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._token):
+            return await continuation(details)
+        if self._on_reject:
+            self._on_reject(details.method)
+        handler = await continuation(details)  # the same kind of handler, so the client reads a status
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(_deny_stream)
+        return grpc.unary_unary_rpc_method_handler(_deny_unary)
+
+
+class _Servicer(pb_grpc.ControlServicer):
+    def __init__(self, server: "ControlServer") -> None:
+        self.server = server
+
+    async def Register(self, request, context):
+        self.server.events.put(("registered", request.worker, request))
+        return pb.RegisterReply(job_id=self.server.job_id)
+
+    async def Session(self, request_iterator, context):
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        worker = first.worker
+        outbox: asyncio.Queue = asyncio.Queue()
+        self.server.outboxes[worker] = outbox
+        events = self.server.events
+        events.put(("session", worker, None))
+
+        async def read() -> None:
+            reason = "the agent closed its control stream"
+            try:
+                while (msg := await context.read()) is not grpc.aio.EOF:
+                    events.put(("message", worker, msg))
+            except (grpc.RpcError, asyncio.CancelledError) as e:
+                reason = f"control stream broken ({getattr(e, 'code', lambda: 'cancelled')()})"
+            finally:
+                events.put(("lost", worker, reason))
+                outbox.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (msg := await outbox.get()) is not None:
+                await context.write(msg)
+        finally:
+            reader.cancel()
+            if self.server.outboxes.get(worker) is outbox:
+                del self.server.outboxes[worker]
+
+
+class ControlServer:
+    """The gRPC server, on 127.0.0.1 and an asyncio thread of its own."""
+
+    def __init__(self, token: str, events: "queue.Queue", job_id: str = "") -> None:
+        self.token, self.events, self.job_id = token, events, job_id
+        self.outboxes: dict[int, asyncio.Queue] = {}
+        self.rejected = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tpudist-control", daemon=True)
+        self._server: grpc.aio.Server | None = None
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Starts serving; returns the port on 127.0.0.1."""
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout_s)
+
+    async def _start(self) -> int:
+        self._server = grpc.aio.server(
+            interceptors=[TokenInterceptor(self.token, self._count_reject)],
+            options=[("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                     ("grpc.http2.max_ping_strikes", 0),
+                     ("grpc.max_receive_message_length", 64 << 20),
+                     ("grpc.max_send_message_length", 64 << 20)])
+        pb_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        return port
+
+    def _count_reject(self, method: str) -> None:
+        self.rejected += 1
+
+    def send(self, worker: int, msg: pb.LauncherMessage) -> bool:
+        """Queues `msg` for `worker`'s agent; False when it has no open session."""
+        outbox = self.outboxes.get(worker)
+        if outbox is None:
+            return False
+        self._loop.call_soon_threadsafe(outbox.put_nowait, msg)
+        return True
+
+    def close(self, grace_s: float = 1.0) -> None:
+        if not self._thread.is_alive():
+            return
+        if self._server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 2)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,152 @@
+"""The plan: which process runs where, with which argv and environment.
+
+Ranks are numbered in worker order: worker 0's processes first. Every process gets the environment
+contract of `tpudist.contract` (rank, sizes, coordinator = rank 0's host), the TPU variables on a
+TPU slice, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
+environment and finally the user's `--env` values. `--dry-run` prints exactly this plan.
+
+    plan = build_plan(args, cluster, Ports(coordinator=8476, master=29500), job_id="ab12")
+    print(plan_json(plan))   # {"processes": [{"host": ..., "rank": 0, "argv": [...], "env": {...}}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+
+from tpudist import contract
+from tpudist.launch._cluster import Cluster, Host
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    """The two ports rank 0's host serves: the JAX coordinator and torch's MASTER_PORT."""
+
+    coordinator: int
+    master: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonEnv:
+    """Where the agent's and the processes' Python comes from on every host."""
+
+    interpreter: str  # runs the agent: the launcher's own, --python, or --venv's
+    path_prepend: tuple[str, ...] = ()  # put first on the processes' PATH, so `python` means this one
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. VIRTUAL_ENV
+    conda_env: str | None = None  # processes run inside this conda environment
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessPlan:
+    """One process of the job."""
+
+    host: Host
+    worker: int
+    rank: int
+    local_rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]  # set on top of the host's login environment
+    path_prepend: tuple[str, ...]
+    cwd: str
+    conda_env: str | None
+
+    def to_json(self) -> dict:
+        return {"host": str(self.host), "worker": self.worker, "rank": self.rank,
+                "local_rank": self.local_rank, "argv": list(self.argv), "env": dict(self.env),
+                "path_prepend": list(self.path_prepend), "cwd": self.cwd, "conda_env": self.conda_env}
+
+
+def python_env(args: argparse.Namespace) -> PythonEnv:
+    """The Python environment chosen by --venv / --conda-env / --python (default: the launcher's)."""
+    if args.venv:
+        venv = os.path.abspath(os.path.expanduser(args.venv))
+        bin_dir = os.path.join(venv, "bin")
+        return PythonEnv(args.python or os.path.join(bin_dir, "python"), (bin_dir,), {"VIRTUAL_ENV": venv})
+    interpreter = args.python or sys.executable
+    if args.conda_env:  # the env's activation puts its own bin first; the agent still needs tpudist
+        return PythonEnv(interpreter, conda_env=args.conda_env)
+    # Not os.path.realpath: a venv's bin/python is a symlink, and its bin directory is the one to use.
+    return PythonEnv(interpreter, (os.path.dirname(interpreter),))
+
+
+def processes_per_host(args: argparse.Namespace, cluster: Cluster) -> list[int]:
+    """How many processes each worker runs: --nproc-per-host, else slots, else the TPU's, else 1."""
+    if args.nproc_per_host:
+        return [args.nproc_per_host] * len(cluster.hosts)
+    default = 1
+    if cluster.accelerator_type:
+        from tpudist.launch import tpu_env  # issue 4's module; only needed on a TPU
+        default = tpu_env.default_nproc_per_host(cluster)
+    return [host.slots or default for host in cluster.hosts]
+
+
+def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -> str:
+    """The address every process uses to reach rank 0's host."""
+    if cluster.local:
+        return "127.0.0.1"
+    host = cluster.hosts[0]
+    return host.internal_ip or ssh_config_hostname or host.address
+
+
+def free_ports(count: int = 2) -> list[int]:
+    """`count` distinct TCP ports that are free on this machine right now."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def choose_ports(args: argparse.Namespace, probed: list[int]) -> Ports:
+    """--coordinator-port/--master-port, else ports probed free on rank 0's host."""
+    probed = [p for p in probed if p not in (args.coordinator_port, args.master_port)]
+    coordinator = args.coordinator_port or probed.pop(0)
+    master = args.master_port or probed.pop(0)
+    return Ports(coordinator, master)
+
+
+def build_plan(args: argparse.Namespace, cluster: Cluster, ports: Ports, *, job_id: str,
+               attempt: int = 0, coordinator: str | None = None) -> list[ProcessPlan]:
+    """Every process of the job, in rank order."""
+    counts = processes_per_host(args, cluster)
+    world_size = sum(counts)
+    addr = coordinator or coordinator_host(cluster)
+    pyenv = python_env(args)
+    platform = args.platform or ("tpu" if cluster.accelerator_type else "cpu" if args.cpu_devices else None)
+    plan = []
+    rank = 0
+    for worker, (host, nproc) in enumerate(zip(cluster.hosts, counts)):
+        for local_rank in range(nproc):
+            env = contract.JobEnv(
+                rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=nproc,
+                coordinator=f"{_bracket(addr)}:{ports.coordinator}", master_addr=addr,
+                master_port=ports.master, worker=worker, num_workers=len(cluster.hosts),
+                host=host.address, cpu_devices=args.cpu_devices, platform=platform, job_id=job_id,
+                restart=attempt).to_environ()
+            if cluster.accelerator_type:
+                from tpudist.launch import tpu_env
+                env.update(tpu_env.tpu_process_env(cluster, worker, local_rank, nproc))
+            env["PYTHONUNBUFFERED"] = "1"
+            env.update(pyenv.env)
+            env.update(args.env_vars)
+            plan.append(ProcessPlan(host, worker, rank, local_rank, tuple(args.command), env,
+                                    pyenv.path_prepend, args.workdir, pyenv.conda_env))
+            rank += 1
+    return plan
+
+
+def plan_json(plan: list[ProcessPlan]) -> str:
+    return json.dumps({"processes": [p.to_json() for p in plan]}, indent=2, ensure_ascii=False)
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr

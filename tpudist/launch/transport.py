@@ -1,0 +1,221 @@
+"""Starting the per-host agents: over SSH, in parallel with a bounded fan-out, or as a local process.
+
+The only shell string ever run on a host is the fixed agent command,
+`exec '<python>' -m tpudist.launch.agent`, with the interpreter path shell-quoted. Everything else
+(the control port, the job token, later the processes' argv and env) travels as data: a base64 JSON
+line on the agent's stdin, then the gRPC control plane.
+
+`open_agents` returns one result per worker, an `AgentHandle` or the exception that host raised:
+partial failure is data, and the caller decides (the supervisor closes everything and names the hosts).
+
+    results = open_agents(cluster, ssh_options, bootstrap, python="/usr/bin/python3", fanout=64)
+    failed = {w: r for w, r in results.items() if isinstance(r, Exception)}
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+from tpudist.launch._cluster import Cluster, Host
+
+AGENT_MODULE = "tpudist.launch.agent"
+
+
+def agent_command(python: str) -> str:
+    """The fixed shell command that starts the agent on a host."""
+    return f"exec {shlex.quote(python)} -m {AGENT_MODULE}"
+
+
+def bootstrap_line(*, worker: int, host: str, port: int, token: str, die_with_parent: bool) -> bytes:
+    payload = {"worker": worker, "host": host, "port": port, "token": token, "die_with_parent": die_with_parent}
+    return base64.b64encode(json.dumps(payload).encode()) + b"\n"
+
+
+class AgentHandle:
+    """One started agent: whether it exited, what it said on stderr, and closing it."""
+
+    worker: int
+    host: Host
+
+    def exit_status(self) -> int | None:
+        raise NotImplementedError
+
+    def stderr_text(self) -> str:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return self.exit_status() is None
+
+    def close(self) -> None:
+        """Closes the agent's stdin and connection; an agent still running then stops by itself."""
+        raise NotImplementedError
+
+
+class _StderrTail:
+    """Keeps the last bytes an agent wrote to stderr."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        self.data = b""
+        self.limit = limit
+
+    def add(self, chunk: bytes) -> None:
+        self.data = (self.data + chunk)[-self.limit:]
+
+    def text(self) -> str:
+        return self.data.decode(errors="replace").strip()
+
+
+class LocalAgent(AgentHandle):
+    """The agent as a child process of the launcher (--local): same protocol, no SSH."""
+
+    def __init__(self, worker: int, host: Host, python: str, make_bootstrap: Callable[[int], bytes],
+                 control_port: int) -> None:
+        self.worker, self.host = worker, host
+        self._tail = _StderrTail()
+        # Its own session: Ctrl-C in the terminal reaches only the launcher, which then stops the job.
+        self.proc = subprocess.Popen([python, "-m", AGENT_MODULE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(make_bootstrap(control_port))
+        self.proc.stdin.flush()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        while chunk := self.proc.stderr.read1(4096):
+            self._tail.add(chunk)
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll()
+
+    def stderr_text(self) -> str:
+        return self._tail.text()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+class SshAgent(AgentHandle):
+    """The agent on a remote host, on an exec channel of that host's single SSH connection."""
+
+    def __init__(self, worker: int, host: Host, client, python: str,
+                 make_bootstrap: Callable[[int], bytes], control_port: int, timeout_s: float) -> None:
+        from tpudist.launch._ssh import forward_control_port
+
+        self.worker, self.host, self.client = worker, host, client
+        self._tail = _StderrTail()
+        remote_port = forward_control_port(client, control_port)
+        transport = client.get_transport()
+        self.channel = transport.open_session(timeout=timeout_s)
+        self.channel.exec_command(agent_command(python))
+        self.channel.sendall(make_bootstrap(remote_port))
+
+    def exit_status(self) -> int | None:
+        if self.channel.exit_status_ready():
+            return self.channel.recv_exit_status()
+        transport = self.client.get_transport()
+        return None if transport is not None and transport.is_active() else -1
+
+    def stderr_text(self) -> str:
+        while self.channel.recv_stderr_ready():
+            self._tail.add(self.channel.recv_stderr(4096))
+        return self._tail.text()
+
+    def close(self) -> None:
+        try:
+            self.channel.shutdown_write()  # stdin EOF: the agent stops its processes and exits
+        except (OSError, EOFError):
+            pass
+        self.client.close()
+
+
+def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int, Host, bool], Callable],
+                control_port: int, ssh_options=None, fanout: int = 64,
+                on_connected: Callable[[int], None] = lambda w: None,
+                poll: Callable[[], bool] = lambda: False) -> dict[int, AgentHandle | Exception]:
+    """Starts one agent per host, at most `fanout` SSH handshakes at once.
+
+    `poll()` is called from the calling thread every 0.2 s; returning True cancels the hosts still
+    connecting. `on_connected(worker)` is called from a connecting thread.
+
+    `make_bootstrap(worker, host, die_with_parent)` returns a function of the control port the agent
+    dials (the forwarded port on that host) giving its bootstrap line.
+    """
+    if cluster.local:
+        host = cluster.hosts[0]
+        return {0: LocalAgent(0, host, python, make_bootstrap(0, host, True), control_port)}
+
+    from tpudist.launch import _ssh
+
+    opts = ssh_options or _ssh.SshOptions()
+    config = opts.config()
+    clients: dict[int, object] = {}
+    lock = threading.Lock()
+    abandoned = threading.Event()  # set when the caller stops waiting: late connections close themselves
+
+    def start(worker: int, host: Host) -> AgentHandle:
+        client = _ssh.connect(host, opts, config)
+        with lock:
+            if abandoned.is_set():
+                client.close()
+                raise _ssh.SshError(f"host {host}: abandoned")
+            clients[worker] = client
+        on_connected(worker)
+        try:
+            # die_with_parent: the agent's parent is this host's sshd session, gone with the connection.
+            agent = SshAgent(worker, host, client, python, make_bootstrap(worker, host, True), control_port,
+                             opts.connect_timeout)
+        except Exception as e:
+            client.close()
+            if isinstance(e, _ssh.SshError):
+                raise _ssh.SshError(f"host {host}: {e}") from None
+            raise _ssh.SshError(f"host {host}: cannot start the agent: {e}") from None
+        with lock:
+            if abandoned.is_set():
+                agent.close()
+                raise _ssh.SshError(f"host {host}: abandoned")
+        return agent
+
+    results: dict[int, AgentHandle | Exception] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(fanout, len(cluster.hosts)),
+                                                 thread_name_prefix="tpudist-ssh")
+    futures = {pool.submit(start, w, h): w for w, h in enumerate(cluster.hosts)}
+    # Each handshake step has its own timeout; this bound covers a host stuck between steps.
+    deadline = time.monotonic() + opts.connect_timeout * (3 + len(cluster.hosts) / fanout)
+    pending = set(futures)
+    cancelled = False
+    while pending and time.monotonic() < deadline and not cancelled:
+        done, pending = concurrent.futures.wait(pending, timeout=0.2)
+        for f in done:
+            try:
+                results[futures[f]] = f.result()
+            except Exception as e:  # noqa: BLE001 - per-host failure is data
+                results[futures[f]] = e
+        cancelled = poll()
+    with lock:
+        abandoned.set()
+    for f in pending:
+        worker = futures[f]
+        f.cancel()
+        client = clients.get(worker)
+        if client is not None:
+            client.close()
+        results[worker] = _ssh.SshError(f"host {cluster.hosts[worker]}: "
+                                        + ("cancelled" if cancelled else "timed out starting the agent"))
+    pool.shutdown(wait=False, cancel_futures=True)
+    return results
