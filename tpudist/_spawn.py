@@ -9,6 +9,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -51,21 +52,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL to this process when the spawning parent dies."""
+def _stop_group(*_: object) -> None:
+    os.killpg(0, signal.SIGKILL)  # this process and everything it started
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Stops this process's group (it and whatever it started) when the spawning parent dies.
+
+    Linux's PR_SET_PDEATHSIG delivers SIGTERM, whose handler kills the group; a watchdog thread
+    covers a main thread blocked in native code, and other platforms.
+    """
+    signal.signal(signal.SIGTERM, _stop_group)
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
             pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.25)
+        _stop_group()
+
+    threading.Thread(target=watch, name="tpudist-parent-watch", daemon=True).start()
 
 
 def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str],
            parent_pid: int, init: bool, conn: Connection) -> None:
     os.setpgrp()  # own process group: the parent stops this process and everything it started
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    _die_with_parent(parent_pid)
     os.environ.update(env)
     try:
         if init:

@@ -111,7 +111,7 @@ def _train_sharded(index: int):
     # A different batch size is a new signature: one more compile, then the first is reused.
     dense, ids, labels = _data(0)
     half = slice(rows.start, rows.start + (rows.stop - rows.start) // 2)
-    step(params, dense[half], ids[half], labels[half])
+    params, _ = step(params, dense[half], ids[half], labels[half])
     params, _ = step(params, dense[rows], ids[rows], labels[rows])
     counts["after_new_shape"] = step.stats.compiles
     return {"rows": (rows.start, rows.stop), "losses": losses, "counts": counts,
@@ -206,7 +206,7 @@ def _errors(index: int):
     except ValueError as e:
         messages["bad_spec"] = str(e)
     # Static values are baked in: two values, two compiles; the same value again, none.
-    scaled = tpudist.compile(lambda a, k: a * k, mesh=mesh, in_specs=(P("data"),), static_argnums=1)
+    scaled = tpudist.compile(lambda a, k: a * k, mesh=mesh, in_specs=(P("data"), None), static_argnums=1)
     outs = [float(_gather(scaled(np.ones(2), k)).sum()) for k in (2, 3, 2)]
     return {"messages": messages, "static_outs": outs, "static_compiles": scaled.stats.compiles}
 

@@ -59,6 +59,7 @@ class Op:
     name: str
     params: tuple[tuple[str, Any], ...]
     body: Callable[[list[jax.Array], int], list[jax.Array]]
+    detail: tuple[tuple[str, Any], ...] = ()  # compared with peers, not part of the cache key
 
 
 def normalize_groups(groups: Sequence[Sequence[int]] | None, n: int) -> tuple[tuple[int, ...], ...]:
@@ -195,6 +196,7 @@ class Engine:
             **{k: repr(v) for k, v in op.params},
             "groups": [list(g) for g in groups],
             "number of values": len(blocks),
+            **dict(op.detail),
             "shapes": [list(b.shape[2:]) for b in blocks],
             "dtypes": [str(b.dtype) for b in blocks],
         }

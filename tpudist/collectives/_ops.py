@@ -51,7 +51,8 @@ def _divisible(leaf: _convert.Leaf, dim: int, size: int, what: str) -> None:
 
 def _eager(name: str, params: dict[str, Any], x: Any, groups: Any, timeout: float | None,
            body: Callable[[list[jax.Array], int], list[jax.Array]],
-           check: Callable[[list[_convert.Leaf], int], None] | None = None) -> Any:
+           check: Callable[[list[_convert.Leaf], int], None] | None = None,
+           detail: tuple[tuple[str, Any], ...] = ()) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x
@@ -60,7 +61,7 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any, timeout: floa
     norm = normalize_groups(groups, eng.n)
     if check is not None:
         check(descs, len(norm[0]))
-    op = Op(name, tuple(sorted(params.items())), body)
+    op = Op(name, tuple(sorted(params.items())), body, detail)
     with jax.enable_x64(True):
         blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
         outs = eng.run(op, norm, blocks, timeout)
@@ -114,7 +115,9 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     for i, d in enumerate(descs):
         by_dtype.setdefault(d.dtype, []).append(i)
     packed = [np.concatenate([_convert.flat_numpy(leaves[i], descs[i]) for i in idx]) for idx in by_dtype.values()]
-    reduced = _eager("all_reduce", params, packed, groups, timeout, body, check)
+    detail = (("number of values", len(leaves)), ("value shapes", [list(d.shape) for d in descs]),
+              ("value dtypes", [str(d.dtype) for d in descs]))
+    reduced = _eager("all_reduce", params, packed, groups, timeout, body, check, detail)
     results: list[Any] = [None] * len(leaves)
     for idx, flat in zip(by_dtype.values(), reduced):
         offset = 0

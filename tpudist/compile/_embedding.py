@@ -115,9 +115,10 @@ class ShardedEmbedding:
     def init(self, key: jax.Array) -> jax.Array:
         """A fresh table, generated on each device for its own rows only.
 
-        Row r of table t is uniform in `±1/sqrt(n_t)` (DLRM's initialisation), drawn from a key
-        derived from `(key, t, r)`: the values do not depend on the mesh, so a 1-device and an
-        8-device run start from the same table.
+        Values are uniform in `[-1/sqrt(n_t), 1/sqrt(n_t))` for table t (DLRM's initialisation),
+        a counter-based hash of `(key, t, row, feature)`: they depend on the key, never on the
+        mesh, so a 1-device and an 8-device run start from the same table. `key` is a
+        `jax.random.key` or a raw uint32 key.
         """
         return _init_fn(self.mesh, self.axis, self.layout, self.features, self.dtype)(key)
 

@@ -29,7 +29,6 @@ size, never the full table.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,22 +134,41 @@ def per_device(algorithm: str, block: jax.Array, ids: jax.Array, layout: Layout,
     return _BY_NAME[algorithm](block, ids, layout, axis, combiner)
 
 
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: every input bit flips about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def init_block(key: jax.Array, layout: Layout, features: int, axis: str, dtype: Any) -> jax.Array:
     """This device's block of freshly initialised tables, (S, F).
 
-    Row r of table t is `uniform(-1/sqrt(n_t), 1/sqrt(n_t))` drawn from `fold_in(fold_in(key, t), r)`,
-    the DLRM initialisation, so a table's values do not depend on the mesh; padding rows are zero.
+    Element (r, f) of table t is uniform in `[-1/sqrt(n_t), 1/sqrt(n_t))` (DLRM's initialisation),
+    computed by a counter-based hash of (key, t, r, f): a table's values depend on the key only,
+    never on the mesh, and each device computes just its own rows with a few integer ops (a
+    threefry circuit per row compiles slowly and costs more on CPU). Padding rows are zero.
     """
-    me = jax.lax.axis_index(axis)
-    parts = []
-    for t, (n, r) in enumerate(zip(layout.sizes, layout.shard_rows)):
-        table_key = jax.random.fold_in(key, t)
-        rows = me * r + jnp.arange(r)
-        bound = 1.0 / math.sqrt(n)
-        draw = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(table_key, i), (features,),
-                                                     dtype, -bound, bound))
-        parts.append(jnp.where((rows < n)[:, None], draw(rows), jnp.zeros((), dtype)))
-    return jnp.concatenate(parts, axis=0)
+    import numpy as np
+    table_of = np.concatenate([np.full(r, t) for t, r in enumerate(layout.shard_rows)])
+    within = np.concatenate([np.arange(r) for r in layout.shard_rows])
+    rows_per_shard = np.asarray(layout.shard_rows)[table_of]
+    sizes = np.asarray(layout.sizes)[table_of]
+    bounds = (1.0 / np.sqrt(sizes)).astype(np.float32)
+    rows = jax.lax.axis_index(axis) * jnp.asarray(rows_per_shard) + jnp.asarray(within)
+
+    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    seed = jnp.uint32(0x9E3779B9)
+    for word in jnp.ravel(words).astype(jnp.uint32):
+        seed = _mix(seed ^ word)
+    h = _mix(seed ^ _mix(jnp.asarray(table_of, jnp.uint32) + jnp.uint32(0x68E31DA4)))
+    h = _mix(h ^ _mix(rows.astype(jnp.uint32) + jnp.uint32(0xB5297A4D)))
+    h = _mix(h[:, None] ^ _mix(jnp.arange(features, dtype=jnp.uint32) + jnp.uint32(0x1B56C4E9)))
+    unit = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -23) - 1.0  # [-1, 1)
+    values = (unit * jnp.asarray(bounds)[:, None]).astype(dtype)
+    return jnp.where((rows < jnp.asarray(sizes))[:, None], values, jnp.zeros((), dtype))
 
 
 def block_rows_of(tables: Sequence[Any], layout: Layout, shard: int) -> list[Any]:

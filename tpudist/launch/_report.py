@@ -98,7 +98,7 @@ class StartStatus:
             from rich.console import Console
             from rich.live import Live
 
-            self._live = Live("", console=Console(file=sys.stderr), transient=True,
+            self._live = Live("", console=Console(file=sys.stderr, highlight=False), transient=True,
                               refresh_per_second=8, redirect_stdout=False, redirect_stderr=False)
             self._live.start()
 

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import logging
 import os
 import socket
 import threading
+import time
 
 import paramiko
 
 from tpudist.launch._cluster import Host
 
 _known_hosts_lock = threading.Lock()
+# paramiko logs every failed handshake with a traceback; SshError says what went wrong instead.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
 
 
 class SshError(Exception):
@@ -106,6 +111,7 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         _AcceptNew(target.known_hosts) if opts.accept_new else _RefuseUnknown(host, target.known_hosts))
     where = f"host {host} ({target.user}@{target.hostname}:{target.port})"
     t = opts.connect_timeout
+    t0 = time.monotonic()
     try:
         sock = paramiko.ProxyCommand(target.proxy_command) if target.proxy_command else None
         client.connect(target.hostname, port=target.port, username=target.user,
@@ -125,6 +131,11 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         tried = ", ".join(target.keys) or "the SSH agent and ~/.ssh/id_*"
         raise SshError(f"{where}: authentication failed ({e}); tried {tried}. Pass --ssh-key FILE, "
                        "--ssh-user, or add the key to the SSH agent.") from None
+    except paramiko.ssh_exception.NoValidConnectionsError as e:
+        client.close()
+        reasons = sorted({err.strerror or str(err) for err in e.errors.values()})
+        raise SshError(f"{where}: cannot connect: {'; '.join(reasons)}. Is sshd running there and "
+                       "the port right (--ssh-port, host:port, ~/.ssh/config)?") from None
     except (socket.timeout, TimeoutError):
         client.close()
         raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is the host up "
@@ -134,6 +145,10 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         raise SshError(f"{where}: cannot resolve {target.hostname}: {e.strerror}") from None
     except (OSError, EOFError, paramiko.SSHException) as e:
         client.close()
+        # The port answered TCP but no SSH server spoke in time (paramiko words this several ways).
+        if "protocol banner" in str(e) or time.monotonic() - t0 >= t * 0.9:
+            raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is an SSH server "
+                           "listening on that port?") from None
         detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         raise SshError(f"{where}: cannot connect: {detail}") from None
     return client

@@ -152,9 +152,9 @@ class Supervisor:
                 late = sorted(want - self.sessions)
                 raise LaunchError(f"no agent report within --start-timeout {self.args.start_timeout:g} s from "
                                   + ", ".join(str(self.hosts[w]) for w in late))
-            dead = [(w, a) for w, a in self.agents.items() if w not in self.sessions and not a.alive()]
-            if dead:
-                raise LaunchError("\n".join(self._agent_failure(w, a) for w, a in dead))
+            if self._dead_agents():
+                time.sleep(0.5)  # the same problem usually hits every host: name them all at once
+                raise LaunchError("\n".join(self._agent_failure(w, a) for w, a in self._dead_agents()))
             self._drain(timeout=0.1)
             self._show_status()
         self._warn_version_skew()
@@ -297,6 +297,9 @@ class Supervisor:
             self.server.send(worker, msg)
 
     # -- reporting ---------------------------------------------------------------------------------
+
+    def _dead_agents(self) -> list[tuple[int, AgentHandle]]:
+        return [(w, a) for w, a in sorted(self.agents.items()) if w not in self.sessions and not a.alive()]
 
     def _agent_failure(self, worker: int, agent: AgentHandle) -> str:
         code = agent.exit_status()

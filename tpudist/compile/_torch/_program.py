@@ -28,15 +28,18 @@ class Program:
         self._run = lower(captured)
         self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
         self._resolve = [_resolver(module, slot, captured) for slot in self._slots]
+        self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
         outputs = captured.outputs
         # floating user outputs go through autograd; everything else (ints, buffer updates) does not
         self._float = tuple(i for i, o in enumerate(outputs) if o.kind == "user" and o.dtype is not None
                             and (o.dtype.is_floating_point or o.dtype.is_complex))
         self._rest = tuple(i for i in range(len(outputs)) if i not in self._float)
         self.float_output_dtypes = [outputs[i].dtype for i in self._float]
-        self._forward = jax.jit(self._run)
+        # fresh callables per program: jit caches per underlying function, and executables()
+        # must count this program's executables only
+        self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
         self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
-        self._backward = jax.jit(_apply_vjp)
+        self._backward = jax.jit(lambda vjp, cotangents: _apply_vjp(vjp, cotangents))
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -95,18 +98,13 @@ class Program:
         with torch.no_grad():
             for value, slot in zip(outputs, self.captured.outputs):
                 if slot.kind == "buffer":
-                    self._buffer(slot.target, tensors).copy_(value)  # in place, as eager BatchNorm does
+                    # in place, as eager BatchNorm updates its running statistics
+                    tensors[self._buffer_position[slot.target]].copy_(value)
                 elif slot.kind == "input":
                     leaves[slot.target].copy_(value)
                 else:
                     user.append(value)
         return tree_unflatten(user, self.captured.out_spec)
-
-    def _buffer(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        for t, slot in zip(tensors, self._slots):
-            if slot.kind == "buffer" and slot.name == name:
-                return t
-        raise AssertionError(f"buffer {name} is written by the graph but not one of its inputs")
 
 
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:

@@ -67,7 +67,8 @@ def _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
 
 def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
     window, strides, pads, dil, _ = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd)
-    lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    # a Python scalar init lets JAX recognize the max monoid, which it knows how to differentiate
+    lowest = -float("inf") if jnp.issubdtype(x.dtype, jnp.floating) else int(jnp.iinfo(x.dtype).min)
     plane = x.shape[x.ndim - nd:]
     flat = jnp.broadcast_to(jnp.arange(int(np.prod(plane)), dtype=jnp.int32).reshape(plane), x.shape)
 
@@ -78,7 +79,7 @@ def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
     _, indices = lax.reduce_window((lax.stop_gradient(x), flat), (jnp.asarray(lowest, x.dtype), jnp.int32(2**31 - 1)),
                                    first_max, window, strides, pads, window_dilation=dil)
     if all(v == 1 for v in dil):
-        values = lax.reduce_window(x, jnp.asarray(lowest, x.dtype), lax.max, window, strides, pads)
+        values = lax.reduce_window(x, lowest, lax.max, window, strides, pads)
     else:
         # JAX has no gradient for dilated max windows; reading the values at the indices gives
         # the gradient torch computes (all of it to the chosen element)
@@ -109,7 +110,7 @@ def _avg_divisor(size, out, k, s, p, count_include_pad):
 
 def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd):
     window, strides, pads, _, outs = _pool_args(x, kernel_size, stride, padding, 1, ceil_mode, nd)
-    sums = lax.reduce_window(x, jnp.asarray(0, x.dtype), lax.add, window, strides, pads)
+    sums = lax.reduce_window(x, 0.0 if jnp.issubdtype(x.dtype, jnp.floating) else 0, lax.add, window, strides, pads)
     if divisor_override:
         return sums / divisor_override
     lead = x.ndim - nd

@@ -1,0 +1,119 @@
+"""Bad input to the collectives is a clear error on every rank, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tpudist
+from tpudist.testing import run_on_mesh
+
+
+def _error(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def local_errors() -> dict:
+    """Errors each process detects by itself, before any communication."""
+    x = np.ones(4, np.float32)
+    return {
+        "op": _error(lambda: tpudist.all_reduce(x, op="average")),
+        "dtype": _error(lambda: tpudist.all_reduce(np.ones(2, np.complex64))),
+        "torch_dtype": _error(lambda: tpudist.all_reduce(torch.ones(2, dtype=torch.int16))),
+        "kind": _error(lambda: tpudist.all_reduce("text")),
+        "bool_sum": _error(lambda: tpudist.all_reduce(np.array([True]))),
+        "int_mean": _error(lambda: tpudist.all_reduce(np.ones(2, np.int32), op="mean")),
+        "unequal": _error(lambda: tpudist.all_reduce(x, groups=[[0], [1, 2], [3]])),
+        "not_partition": _error(lambda: tpudist.all_reduce(x, groups=[[0, 1], [1, 2]])),
+        "out_of_range": _error(lambda: tpudist.all_reduce(x, groups=[[0, 1], [2, 7]])),
+        "indivisible": _error(lambda: tpudist.reduce_scatter(np.ones(6, np.float32))),
+        "a2a_scalar": _error(lambda: tpudist.all_to_all(np.float32(1))),
+        "dim": _error(lambda: tpudist.all_gather(x, dim=3)),
+        "src": _error(lambda: tpudist.broadcast(x, src=4)),
+        "pairs": _error(lambda: tpudist.collective_permute(x, [[0, 1], [2, 1]])),
+        "both": _error(lambda: tpudist.all_reduce(x, axis="data", groups=[[0, 1, 2, 3]])),
+        # After all of that, the collectives still work and agree.
+        "after": tpudist.all_reduce(np.float32(1)),
+    }
+
+
+@pytest.fixture(scope="module")
+def local() -> list[dict]:
+    return run_on_mesh(local_errors, nprocs=4, cpu_devices=1, timeout=300)
+
+
+@pytest.mark.parametrize("case, kind, words", [
+    ("op", "ValueError", ["'average'", "sum", "mean", "max", "min", "prod"]),
+    ("dtype", "TypeError", ["complex64", "float32"]),
+    ("torch_dtype", "TypeError", ["int16", "bfloat16"]),
+    ("kind", "TypeError", ["str", "torch tensors"]),
+    ("bool_sum", "TypeError", ["bool", "op='max'"]),
+    ("int_mean", "TypeError", ["int32", "op='sum'"]),
+    ("unequal", "ValueError", ["different sizes", "[1, 2]"]),
+    ("not_partition", "ValueError", ["[1] appear more than once", "[3] are in no group"]),
+    ("out_of_range", "ValueError", ["[7]", "0..3"]),
+    ("indivisible", "ValueError", ["(6,)", "4 equal chunks", "multiple of 4"]),
+    ("a2a_scalar", "ValueError", ["scalar"]),
+    ("dim", "ValueError", ["dim=3", "1 dimensions"]),
+    ("src", "ValueError", ["src=4", "[0, 4)"]),
+    ("pairs", "ValueError", ["[1]", "destination"]),
+    ("both", "ValueError", ["axis=", "groups="]),
+])
+def test_local_errors_name_the_value_and_the_fix(local, case, kind, words):
+    for rank, result in enumerate(local):
+        got_kind, message = result[case]
+        assert got_kind == kind, (rank, case, message)
+        for w in words:
+            assert w in message, (rank, case, w, message)
+        assert result["after"] == np.float32(4)
+
+
+def mismatches() -> dict:
+    rank = tpudist.process_index()
+    out = {}
+    out["shape"] = _error(lambda: tpudist.all_reduce(np.ones((4, 5 + rank), np.float32)))
+    out["dtype"] = _error(lambda: tpudist.all_gather(np.ones(3, np.float32 if rank == 0 else np.int32)))
+    out["op"] = _error(lambda: tpudist.all_reduce(np.ones(3, np.float32), op="sum" if rank == 0 else "max"))
+    out["count"] = _error(lambda: tpudist.all_reduce([np.ones(2, np.float32)] * (1 + rank)))
+    out["agree_after"] = tpudist.all_reduce(np.float32(rank + 1))
+    # A peer that never arrives: rank 1 skips this collective; rank 0's error names it.
+    start = time.monotonic()
+    if rank == 0:
+        out["missing"] = _error(lambda: tpudist.all_gather(np.ones(7, np.float32), timeout=3))
+    out["missing_seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatch() -> list[dict]:
+    return run_on_mesh(mismatches, nprocs=2, cpu_devices=1, timeout=300)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("shape", ["all_reduce", "shapes", "(4, 5)", "(4, 6)"]),
+    ("dtype", ["all_gather", "dtypes", "float32", "int32"]),
+    ("op", ["all_reduce", "op", "'sum'", "'max'"]),
+    ("count", ["number of values", "1", "2"]),
+])
+def test_peers_disagreeing_is_an_error_on_every_rank(mismatch, case, words):
+    for rank, result in enumerate(mismatch):
+        kind, message = result[case]
+        assert kind == "CollectiveError", (rank, message)
+        assert f"rank {rank} on" in message and f"rank {1 - rank}'s" in message, message
+        for w in words:
+            assert w in message, (rank, w, message)
+        assert result["agree_after"] == np.float32(3)
+
+
+def test_missing_peer_times_out_naming_the_rank(mismatch):
+    kind, message = mismatch[0]["missing"]
+    assert kind == "CollectiveTimeout", message
+    assert "ranks [1] did not arrive" in message and "TPUDIST_COLLECTIVE_TIMEOUT" in message
+    assert mismatch[0]["missing_seconds"] < 30

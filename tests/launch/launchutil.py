@@ -1,0 +1,73 @@
+"""Helpers for the launcher's tests: run the launcher, find a job's processes by a marker.
+
+`launch(...)` runs `python -m tpudist.xla_dist` as a real subprocess. A test puts a unique `marker`
+in its job's argv so `pids_with(marker)` finds the job's processes on every (loopback) host.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import select
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def launcher_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tpudist.xla_dist", *args]
+
+
+def launch(*args: str, timeout: float = 90, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Runs the launcher to completion; stdout and stderr captured as bytes."""
+    return subprocess.run(launcher_argv(*args), cwd=ROOT, capture_output=True, timeout=timeout,
+                          env=env, **kw)
+
+
+def start_launcher(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """The launcher in its own session (a signal to it does not reach pytest)."""
+    # Unbuffered, so select() in wait_lines sees every line that has not been read yet.
+    return subprocess.Popen(launcher_argv(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True, bufsize=0)
+
+
+def pids_with(marker: str) -> list[int]:
+    """Processes whose command line contains `marker` (on this machine: every loopback host)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def wait_lines(proc: subprocess.Popen, count: int, needle: bytes, timeout: float) -> list[bytes]:
+    """Reads the launcher's stdout until `count` lines contain `needle`."""
+    lines: list[bytes] = []
+    end = time.monotonic() + timeout
+    while sum(needle in line for line in lines) < count:
+        ready = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]
+        if not ready:
+            raise AssertionError(f"only {sum(needle in x for x in lines)}/{count} lines with {needle!r}: {lines}")
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"launcher exited early ({proc.wait()}): {proc.stderr.read().decode()}")
+        lines.append(line)
+    return lines

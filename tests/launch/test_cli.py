@@ -1,0 +1,178 @@
+"""The launcher's command line, hostfiles and --dry-run plan: everything decided before a host is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from launchutil import launch
+
+from tpudist import contract
+from tpudist.launch import _cluster
+from tpudist.launch.args import parse_args
+from tpudist.launch.sources_basic import parse_host, parse_hostfile, parse_hosts
+
+SEED = ("--tpu=my-tpu --conda-env=torch-xla-1.6 --env ANY_ENV_VAR=VALUE -- "
+        "python /path/to/your/code.py --train_arg1 --train_arg2").split()
+
+
+def test_seed_command_line_parses_verbatim():
+    args = parse_args(SEED)
+    assert args.tpu == "my-tpu" and args.conda_env == "torch-xla-1.6"
+    assert args.env_vars == {"ANY_ENV_VAR": "VALUE"}
+    assert args.command == ["python", "/path/to/your/code.py", "--train_arg1", "--train_arg2"]
+
+
+def test_command_after_double_dash_is_kept_verbatim_even_if_it_looks_like_flags():
+    args = parse_args(["--local", "--", "python", "--local", "--", "-x", "--env", "A=1"])
+    assert args.command == ["python", "--local", "--", "-x", "--env", "A=1"]
+    assert args.env_vars == {}
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("NOEQUALS", "has no '='"),
+    ("1ABC=x", "'1ABC' is not a valid variable name"),
+    ("A-B=x", "'A-B' is not a valid variable name"),
+    ("=x", "'' is not a valid variable name"),
+    ("RANK=3", "RANK is set by the launcher"),
+])
+def test_bad_env_values_are_refused_naming_the_value(value, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_args(["--env", value, "--", "true"])
+    assert fragment in str(e.value) and repr(value) in str(e.value)
+
+
+def test_env_values_keep_every_character():
+    hostile = "a=b c'\"$(x)`y`;\n\tü"
+    assert parse_args(["--env", f"K={hostile}", "--", "true"]).env_vars == {"K": hostile}
+
+
+def test_bad_env_exits_2_with_the_value_on_stderr():
+    r = launch("--env", "BAD-NAME=1", "--", "true")
+    assert r.returncode == 2
+    assert b"BAD-NAME" in r.stderr and b"not a valid variable name" in r.stderr
+
+
+def test_hostfile_mpi_format(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# workers\n\n10.0.0.2 slots=4\n  ubuntu@10.0.0.3:2222   slots=2  # second\n"
+                    "10.0.0.4\n[fe80::1]:22 max_slots=8\n")
+    hosts = parse_hostfile(str(path))
+    assert [(h.address, h.user, h.port, h.slots) for h in hosts] == [
+        ("10.0.0.2", None, None, 4), ("10.0.0.3", "ubuntu", 2222, 2), ("10.0.0.4", None, None, None),
+        ("fe80::1", None, 22, None)]
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("host1 slots=four", "slots='four' must be a positive integer"),
+    ("host1 slots=0", "slots='0' must be a positive integer"),
+    ("host1 gpus=2", "unknown option 'gpus=2'"),
+    ("host1 slots", "unknown option 'slots'"),
+    ("user@@host", "is not of the form"),
+    ("host1:99999", "port 99999"),
+])
+def test_bad_hostfile_line_names_file_and_line(tmp_path, line, fragment):
+    path = tmp_path / "hosts"
+    path.write_text(f"# header\ngood-host slots=1\n{line}\n")
+    with pytest.raises(ValueError) as e:
+        parse_hostfile(str(path))
+    assert str(e.value).startswith(f"{path}:3: ") and fragment in str(e.value)
+
+
+def test_hostfile_errors_reach_the_user(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2\na slots=1\n")
+    r = launch("--hostfile", str(path), "--", "true")
+    assert r.returncode == 2 and b"listed twice" in r.stderr
+    r = launch("--hostfile", str(tmp_path / "missing"), "--", "true")
+    assert r.returncode == 2 and b"cannot read --hostfile" in r.stderr
+
+
+def test_hosts_flag():
+    hosts = parse_hosts("a, root@b:2200 ,[::1]:22")
+    assert [(h.address, h.user, h.port) for h in hosts] == [("a", None, None), ("b", "root", 2200), ("::1", None, 22)]
+    with pytest.raises(ValueError, match="empty host name"):
+        parse_hosts("a,,b")
+    assert parse_host("x").port is None
+
+
+def test_local_is_the_default_and_explicit_flags_win():
+    verdicts = dict(_cluster.verdicts(parse_args(["--", "true"])))
+    assert verdicts["local"].applies and not verdicts["hosts"].applies
+    verdicts = dict(_cluster.verdicts(parse_args(["--hosts", "a,b", "--", "true"])))
+    assert verdicts["hosts"].applies and not verdicts["local"].applies
+    assert _cluster.resolve_cluster(parse_args(["--hosts", "a,b", "--", "true"])).source == "hosts"
+
+
+def test_doctor_prints_every_sources_verdict():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "tpudist", "doctor", "--hosts", "a,b"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    names = [name for name, _ in _cluster.verdicts(parse_args(["--", "true"]))]
+    for name in names:
+        assert any(line.split()[0] == name for line in r.stdout.splitlines() if line.strip()), (name, r.stdout)
+    assert "chosen: hosts: 2 host(s): a, b" in r.stdout
+
+
+def _plan(*flags: str) -> list[dict]:
+    r = launch(*flags, "--dry-run", "--", "python", "train.py", "--lr", "0.1")
+    assert r.returncode == 0, r.stderr.decode()
+    return json.loads(r.stdout)["processes"]
+
+
+def test_dry_run_plan_for_hosts_has_every_variable_the_launcher_sets(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.2 slots=2\n127.0.0.3 slots=1\n")
+    procs = _plan("--hostfile", str(hostfile), "--cpu-devices", "2", "--env", "A=x y", "--workdir", str(tmp_path))
+    assert [(p["host"], p["worker"], p["rank"], p["local_rank"]) for p in procs] == [
+        ("127.0.0.2", 0, 0, 0), ("127.0.0.2", 0, 1, 1), ("127.0.0.3", 1, 2, 0)]
+    coordinators = set()
+    for p in procs:
+        env = p["env"]
+        assert p["argv"] == ["python", "train.py", "--lr", "0.1"]
+        assert p["cwd"] == str(tmp_path)
+        assert p["path_prepend"] == [os.path.dirname(sys.executable)]
+        job = contract.JobEnv.from_environ(env)  # the runtime's own reader accepts the plan
+        assert (job.rank, job.world_size, job.local_rank, job.worker, job.num_workers) == (
+            p["rank"], 3, p["local_rank"], p["worker"], 2)
+        assert job.local_world_size == (2 if p["worker"] == 0 else 1)
+        assert job.master_addr == "127.0.0.2" and job.cpu_devices == 2 and job.platform == "cpu"
+        assert job.host == p["host"]
+        host, port = job.coordinator.rsplit(":", 1)
+        assert host == "127.0.0.2" and int(port) != job.master_port
+        coordinators.add((job.coordinator, job.master_port))
+        assert env["A"] == "x y" and env["PYTHONUNBUFFERED"] == "1"
+    assert len(coordinators) == 1
+
+
+def test_dry_run_local_uses_loopback_and_distinct_free_ports():
+    procs = _plan("--nproc-per-host", "2")
+    env = procs[0]["env"]
+    assert env[contract.MASTER_ADDR] == "127.0.0.1"
+    assert env[contract.COORDINATOR].startswith("127.0.0.1:")
+    assert env[contract.COORDINATOR].split(":")[1] != env[contract.MASTER_PORT]
+    assert [p["rank"] for p in procs] == [0, 1]
+
+
+def test_dry_run_venv_and_conda_choices(tmp_path):
+    venv = tmp_path / "venv"
+    procs = _plan("--venv", str(venv))
+    assert procs[0]["path_prepend"] == [str(venv / "bin")] and procs[0]["env"]["VIRTUAL_ENV"] == str(venv)
+    procs = _plan("--conda-env", "torch-xla-1.6")
+    assert procs[0]["conda_env"] == "torch-xla-1.6" and procs[0]["path_prepend"] == []
+
+
+def test_ranks_filter_must_name_existing_ranks():
+    r = launch("--nproc-per-host", "2", "--ranks-filter", "0,5", "--", "true")
+    assert r.returncode == 2 and b"ranks 0..1" in r.stderr
+    r = launch("--ranks-filter", "zero", "--", "true")
+    assert r.returncode == 2 and b"'zero'" in r.stderr
+
+
+def test_log_prefix_fields_are_checked():
+    with pytest.raises(ValueError, match=r"\['gpu'\]"):
+        parse_args(["--log-prefix", "{gpu}: ", "--", "true"])

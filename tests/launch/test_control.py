@@ -1,0 +1,72 @@
+"""The control plane's gRPC server: only calls carrying the job token get through."""
+
+from __future__ import annotations
+
+import queue
+import socket
+
+import grpc
+import pytest
+
+from tpudist.launch import control_pb2 as pb
+from tpudist.launch import control_pb2_grpc as pb_grpc
+from tpudist.launch.control import TOKEN_METADATA, ControlServer
+
+
+@pytest.fixture
+def server():
+    events: queue.Queue = queue.Queue()
+    srv = ControlServer("the-job-token", events, job_id="job1")
+    port = srv.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield srv, events, pb_grpc.ControlStub(channel), port
+    channel.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("metadata", [None, ((TOKEN_METADATA, "wrong"),), (("other", "the-job-token"),)])
+def test_calls_without_the_token_are_rejected(server, metadata):
+    srv, events, stub, _ = server
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Register(pb.RegisterRequest(worker=0, host="h"), metadata=metadata, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Session(iter([pb.AgentMessage(worker=0, hello=pb.Hello())]), metadata=metadata, timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert events.empty()  # nothing of a rejected call reaches the supervisor
+    assert srv.rejected == 2
+
+
+def test_a_call_with_the_token_registers_and_gets_commands(server):
+    srv, events, stub, _ = server
+    reply = stub.Register(pb.RegisterRequest(worker=3, host="h", versions={"jax": "1"}),
+                          metadata=((TOKEN_METADATA, "the-job-token"),), timeout=10)
+    assert reply.job_id == "job1"
+    kind, worker, request = events.get(timeout=5)
+    assert (kind, worker, request.versions["jax"]) == ("registered", 3, "1")
+
+    outgoing: queue.Queue = queue.Queue()
+    outgoing.put(pb.AgentMessage(worker=3, hello=pb.Hello()))
+
+    def requests():
+        while (msg := outgoing.get(timeout=10)) is not None:
+            yield msg
+
+    responses = stub.Session(requests(), metadata=((TOKEN_METADATA, "the-job-token"),), timeout=20)
+    assert events.get(timeout=5) == ("session", 3, None)
+    assert srv.send(3, pb.LauncherMessage(stop=pb.Stop(grace_s=1.5)))
+    assert next(responses).stop.grace_s == 1.5
+    outgoing.put(pb.AgentMessage(worker=3, exited=pb.Exited(rank=5, exit_code=7)))
+    kind, worker, msg = events.get(timeout=5)
+    assert (kind, worker, msg.exited.rank, msg.exited.exit_code) == ("message", 3, 5, 7)
+    outgoing.put(None)  # the agent closes its stream: the supervisor hears that it is gone
+    assert events.get(timeout=5)[:2] == ("lost", 3)
+
+
+def test_the_server_listens_on_loopback_only(server):
+    _, _, _, port = server
+    public = [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+              if not a[4][0].startswith("127.")]
+    for address in public:
+        with pytest.raises(OSError):
+            socket.create_connection((address, port), timeout=2).close()

@@ -1,0 +1,179 @@
+"""Jobs on this machine (--local): output, fail-fast, Ctrl-C, the launcher dying, restarts, conda.
+
+The local agent speaks the same gRPC protocol as a remote one; only SSH is left out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import sys
+import textwrap
+import time
+
+import pytest
+from launchutil import launch, pids_with, start_launcher, wait_lines, wait_until
+
+pytestmark = pytest.mark.slow
+
+SLEEPER = "import sys, time; print('ready', flush=True); time.sleep(120)"
+
+
+def test_every_line_arrives_whole_prefixed_and_on_its_own_stream(tmp_path):
+    n_lines, width = 200, 3000  # lines longer than a pipe's atomic write, from two processes at once
+    code = textwrap.dedent(f"""
+        import os, sys
+        r = os.environ["RANK"]
+        for i in range({n_lines}):
+            print(f"out-{{r}}-{{i}}-" + "o" * {width})
+            print(f"err-{{r}}-{{i}}-" + "e" * {width}, file=sys.stderr)
+    """)
+    r = launch("--nproc-per-host", "2", "--log-dir", str(tmp_path / "logs"), "--", "python", "-c", code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for stream, kind, fill in ((r.stdout, "out", "o"), (r.stderr, "err", "e")):
+        pattern = re.compile(rf"^\[w0 r(\d) localhost\] {kind}-(\d)-(\d+)-{fill}{{{width}}}$")
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        for line in stream.decode().splitlines():
+            m = pattern.match(line)
+            assert m, f"cut, mixed or misplaced line on std{kind}: {line[:120]!r}"
+            assert m[1] == m[2]  # the prefix names the rank that printed the line
+            seen[int(m[1])].append(int(m[3]))
+        assert seen == {0: list(range(n_lines)), 1: list(range(n_lines))}
+    for rank in (0, 1):  # one file per rank, both streams, without the console prefix
+        lines = (tmp_path / "logs" / f"rank{rank}.log").read_text().splitlines()
+        assert sorted(lines) == sorted([f"out-{rank}-{i}-" + "o" * width for i in range(n_lines)]
+                                       + [f"err-{rank}-{i}-" + "e" * width for i in range(n_lines)])
+
+
+def test_ranks_filter_and_prefix_template():
+    r = launch("--nproc-per-host", "3", "--ranks-filter", "0,2", "--log-prefix", "<{rank}/{local_rank}@{host}> ",
+               "--", "python", "-c", "import os; print('hi from', os.environ['RANK'])")
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.decode().splitlines()) == ["<0/0@localhost> hi from 0", "<2/2@localhost> hi from 2"]
+
+
+def test_fail_fast_stops_the_others_and_exits_with_the_root_cause(marker, no_leftovers):
+    code = textwrap.dedent("""
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.5)
+            def train_step():
+                raise RuntimeError("loss is nan at step 3")
+            train_step()
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    r = launch("--nproc-per-host", "3", "--", "python", "-c", code, marker, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    table = err[err.index("tpudist: the job failed"):]
+    assert re.search(r"localhost\s+0\s+1\s+exit 1\s+\S+\s+<- root cause", table), table
+    assert len(re.findall(r"SIGTERM \(stopped\)", table)) == 2, table
+    assert "RuntimeError: loss is nan at step 3" in table.split("root cause (first observed failure)")[1]
+
+
+def test_death_by_signal_is_reported_with_128_plus_the_signal(marker, no_leftovers):
+    code = "import os, signal, time; os.environ['RANK'] == '0' and os.kill(os.getpid(), signal.SIGKILL); time.sleep(60)"
+    r = launch("--nproc-per-host", "2", "--", "python", "-c", code, marker, timeout=60)
+    assert r.returncode == 128 + signal.SIGKILL
+    assert re.search(r"localhost\s+0\s+0\s+SIGKILL\s+\S+\s+<- root cause", r.stderr.decode())
+
+
+def test_missing_command_is_a_clear_failure():
+    r = launch("--", "no-such-command-xyz", "arg", timeout=60)
+    assert r.returncode == 127
+    assert "command not found: no-such-command-xyz" in r.stderr.decode()
+
+
+def test_ctrl_c_stops_everything_and_exits_130(marker, no_leftovers):
+    proc = start_launcher("--nproc-per-host", "2", "--", "python", "-c", SLEEPER, marker)
+    try:
+        wait_lines(proc, 2, b"ready", timeout=60)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert b"stopped by SIGINT" in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
+def test_second_ctrl_c_kills_at_once(marker, no_leftovers):
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(300)")
+    proc = start_launcher("--nproc-per-host", "2", "--stop-grace", "120", "--", "python", "-c", stubborn, marker)
+    try:
+        wait_lines(proc, 2, b"ready", timeout=60)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the processes ignore SIGTERM, so the grace period runs
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130  # long before the 120 s grace period ends
+    finally:
+        proc.kill()
+
+
+def test_launcher_sigkilled_its_processes_stop(marker, no_leftovers):
+    proc = start_launcher("--nproc-per-host", "2", "--", "python", "-c", SLEEPER, marker)
+    try:
+        wait_lines(proc, 2, b"ready", timeout=60)
+        assert len(pids_with(marker)) == 3  # the launcher and its two processes
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not pids_with(marker), timeout=15), pids_with(marker)
+    finally:
+        proc.kill()
+
+
+def test_max_restarts_runs_the_job_again_with_the_attempt_number(marker):
+    code = ("import os; a = os.environ['TPUDIST_RESTART']; print('attempt', a, 'rank', os.environ['RANK']); "
+            "raise SystemExit(3 if a == '0' and os.environ['RANK'] == '1' else 0)")
+    r = launch("--nproc-per-host", "2", "--max-restarts", "2", "--", "python", "-c", code, marker, timeout=90)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "attempt 1 rank 0" in out and "attempt 1 rank 1" in out and "attempt 2" not in out
+    assert "restarting (1/2 restarts)" in r.stderr.decode()
+
+
+def test_exhausted_restarts_report_the_last_failure(marker):
+    r = launch("--max-restarts", "1", "--", "python", "-c", "raise SystemExit(5)", marker, timeout=90)
+    assert r.returncode == 5
+    assert r.stderr.decode().count("<- root cause") == 2  # one table per failed attempt
+
+
+@pytest.fixture
+def conda_stand_in(tmp_path):
+    """A stand-in for conda (which cannot be installed here): `conda shell.posix activate NAME`
+    prints the export lines the real one prints for an env under tmp_path/envs/NAME."""
+    env_bin = tmp_path / "envs" / "torch-xla-1.6" / "bin"
+    env_bin.mkdir(parents=True)
+    (env_bin / "python").symlink_to(sys.executable)
+    conda = tmp_path / "condabin" / "conda"
+    conda.parent.mkdir()
+    conda.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        # stand-in for conda: only `shell.posix activate NAME`
+        [ "$1" = shell.posix ] && [ "$2" = activate ] || exit 2
+        prefix="{tmp_path}/envs/$3"
+        [ -d "$prefix" ] || {{ echo "EnvironmentNameNotFound: $3" >&2; exit 1; }}
+        echo "export PATH='$prefix/bin':\\"\\$PATH\\""
+        echo "export CONDA_PREFIX='$prefix'"
+        echo "export CONDA_DEFAULT_ENV='$3'"
+    """))
+    conda.chmod(conda.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{conda.parent}:{os.environ['PATH']}"}, env_bin
+
+
+def test_conda_env_runs_the_command_inside_it(conda_stand_in):
+    env, env_bin = conda_stand_in
+    code = "import os, shutil; print(os.environ['CONDA_DEFAULT_ENV'], shutil.which('python'), os.environ['RANK'])"
+    r = launch("--conda-env=torch-xla-1.6", "--env", "ANY_ENV_VAR=VALUE", "--", "python", "-c", code, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().split("] ", 1)[1].split() == ["torch-xla-1.6", str(env_bin / "python"), "0"]
+
+
+def test_unknown_conda_env_fails_with_the_name(conda_stand_in):
+    env, _ = conda_stand_in
+    r = launch("--conda-env=nope", "--", "python", "-c", "pass", env=env)
+    assert r.returncode == 127
+    assert "EnvironmentNameNotFound: nope" in r.stderr.decode()

@@ -1,0 +1,83 @@
+"""The runtime: init() from the environment contract, and torch.distributed alongside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tpudist
+from tpudist import contract
+from tpudist.testing import run_on_mesh
+
+
+def test_contract_round_trips_and_rejects_bad_values():
+    env = contract.JobEnv(rank=1, world_size=4, local_rank=1, local_world_size=2,
+                          coordinator="10.0.0.2:8476", master_addr="10.0.0.2", master_port=29500,
+                          cpu_devices=2, job_id="abc")
+    assert contract.JobEnv.from_environ(env.to_environ()) == env
+    assert env.to_environ()["RANK"] == "1" and env.to_environ()["TPUDIST_COORDINATOR"] == "10.0.0.2:8476"
+    with pytest.raises(ValueError, match="RANK='x' must be an integer"):
+        contract.JobEnv.from_environ({"RANK": "x"})
+    with pytest.raises(ValueError, match=r"RANK=4 must be in \[0, WORLD_SIZE=4\)"):
+        contract.JobEnv.from_environ({"RANK": "4", "WORLD_SIZE": "4", "TPUDIST_COORDINATOR": "h:1"})
+    with pytest.raises(ValueError, match="TPUDIST_COORDINATOR is not set"):
+        contract.JobEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="TPUDIST_COLLECTIVE_TIMEOUT='-1' must be a positive"):
+        contract.JobEnv.from_environ({"TPUDIST_COLLECTIVE_TIMEOUT": "-1"})
+
+
+_SINGLE = """
+import numpy as np, tpudist, jax
+job = tpudist.init()
+assert tpudist.init() is job                      # idempotent
+assert (tpudist.process_index(), tpudist.process_count()) == (0, 1)
+assert len(tpudist.local_devices()) == 3 == len(tpudist.devices())
+out = tpudist.all_reduce([np.arange(3.0), 2])      # a one-process job still runs collectives
+assert out[0].tolist() == [0.0, 1.0, 2.0] and out[1] == 2
+tpudist.barrier()
+print("ok")
+"""
+
+
+def test_single_process_job_with_nothing_set():
+    env = {k: v for k, v in os.environ.items() if k not in contract.ALL}
+    env[contract.CPU_DEVICES] = "3"
+    out = subprocess.run([sys.executable, "-c", _SINGLE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def torch_alongside() -> tuple[float, float]:
+    import torch.distributed as dist
+    assert os.environ["MASTER_PORT"] != os.environ["TPUDIST_COORDINATOR"].rsplit(":", 1)[1]
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        mine = tpudist.all_reduce(torch.tensor([float(tpudist.process_index() + 1)]))
+        return float(t), float(mine)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_distributed_env_init_works_inside_a_job():
+    assert run_on_mesh(torch_alongside, nprocs=2) == [(3.0, 3.0), (3.0, 3.0)]
+
+
+@pytest.mark.tpudist(nprocs=2, cpu_devices=2)
+def test_the_pytest_marker_runs_on_every_rank():
+    assert tpudist.process_count() == 2 and len(tpudist.devices()) == 4
+    assert tpudist.all_gather(torch.tensor([tpudist.process_index()])).tolist() == [0, 1]
+
+
+def rank_one_fails() -> None:
+    assert tpudist.process_index() != 1, "rank one is wrong"
+
+
+def test_run_on_mesh_reports_the_failing_rank_assertion():
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*AssertionError: rank one is wrong"):
+        run_on_mesh(rank_one_fails, nprocs=2)

@@ -1,0 +1,110 @@
+"""`CompiledModule`: what `tpudist.compile(module)` returns for a torch.nn.Module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from tpudist.compile._torch._capture import capture
+from tpudist.compile._torch._program import Program
+
+
+@dataclass
+class TorchCompileStats:
+    """Counters of one compiled module.
+
+    compiles: input signatures (shapes, dtypes, non-tensor values, train/eval modes) captured and
+        lowered; a steady training loop stays at 1.
+    cache_hits: calls served by an already compiled signature.
+    calls: all calls.
+    capture_seconds: time spent in torch.export and decomposition.
+    executables: XLA executables built so far (forward, forward-with-VJP, backward per signature).
+    """
+
+    compiles: int = 0
+    cache_hits: int = 0
+    calls: int = 0
+    capture_seconds: float = 0.0
+    executables: int = 0
+
+
+class CompiledModule(torch.nn.Module):
+    """A torch.nn.Module whose forward and backward run as XLA executables.
+
+    It wraps (does not copy) the original module, registered as `.module`: parameters, buffers,
+    `.grad`s, train/eval mode and optimizers are the original's. Attributes it does not define are
+    read from the original, so `cm.fc` is `module.fc`; `state_dict()` keys carry the `module.`
+    prefix, so save checkpoints from the original module.
+
+    Example:
+        cm = tpudist.compile(model)
+        loss = torch.nn.functional.cross_entropy(cm(x), y)
+        loss.backward()                         # fills model's .grad, computed by XLA
+        optimizer.step()                        # any torch.optim optimizer over model.parameters()
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.stats = TorchCompileStats()
+        self._programs: dict[Any, Program] = {}
+        self._submodules = list(module.modules())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.stats.calls += 1
+        leaves, spec = tree_flatten((args, kwargs))
+        key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(leaf) for leaf in leaves))
+        program = self._programs.get(key)
+        if program is None:
+            captured = capture(self.module, args, kwargs)
+            program = self._programs[key] = Program(self.module, captured)
+            self.stats.compiles += 1
+            self.stats.capture_seconds += captured.seconds
+        else:
+            self.stats.cache_hits += 1
+        result = program(leaves)
+        self.stats.executables = sum(p.executables() for p in self._programs.values())
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def __repr__(self) -> str:
+        return f"CompiledModule({self.module!r})"
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
+    try:
+        hash(leaf)
+    except TypeError:
+        return (type(leaf), repr(leaf))
+    return (type(leaf), leaf)
+
+
+def compile_module(module: torch.nn.Module, **options: Any) -> CompiledModule:
+    """Compiles `module`'s forward and backward through XLA; returns a CompiledModule.
+
+    Capture (torch.export) happens on the first call and again only for a new input signature or
+    train/eval mode; `cm.stats` counts it. Called by `tpudist.compile(module)`.
+
+    Example:
+        cm = tpudist.compile(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()))
+        y = cm(torch.randn(2, 8))
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"compile_module expects a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, CompiledModule):
+        return module
+    if options:
+        # the data-parallel form (mesh=, a fused optimizer step) is tpudist.compile_train_step's job
+        raise TypeError(f"tpudist.compile(torch.nn.Module) takes no options yet; got {sorted(options)}. "
+                        "For data-parallel training use tpudist.optimizer_step or tpudist.compile_train_step.")
+    return CompiledModule(module)
