@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""tpudist collectives vs torch.distributed (gloo), in the same processes and the same run.
+
+For 2 and 4 processes and sizes from 4 B to 64 MiB, times tpudist's all_reduce / all_gather /
+reduce_scatter on torch tensors next to torch.distributed's gloo, and prints latency, algbw,
+busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JSON.
+
+    python scripts/bench_collectives.py [--procs 2 4] [--max-bytes 64Mi] [--json out.json]
+
+Size is the full buffer, as in nccl-tests: all_reduce's input, all_gather's output,
+reduce_scatter's input. busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import tpudist
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            return int(text[:-2]) * mult
+    return int(text)
+
+
+def sizes(max_bytes: int) -> list[int]:
+    out, s = [], 4
+    while s <= max_bytes:
+        out.append(s)
+        s *= 4 if s < 4096 else 8 if s < (1 << 20) else 4
+    return out
+
+
+def _iters(nbytes: int, budget: float) -> int:
+    # Rough cost model so small sizes get many repetitions and 64 MiB a few.
+    guess = 2e-4 + nbytes / 5e8
+    return int(min(500, max(3, budget / guess)))
+
+
+def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    n = dist.get_world_size()
+    rows = []
+    try:
+        for name in COLLECTIVES:
+            for nbytes in byte_sizes:
+                elems = max(n, nbytes // 4) // n * n  # divisible by n for gather/scatter
+                full = torch.rand(elems)
+                part = full[: elems // n].clone()
+                out_full = torch.empty(elems)
+                out_part = torch.empty(elems // n)
+                ops = {
+                    "all_reduce": (lambda: tpudist.all_reduce(full), lambda: dist.all_reduce(full)),
+                    "all_gather": (lambda: tpudist.all_gather(part),
+                                   lambda: dist.all_gather_into_tensor(out_full, part)),
+                    "reduce_scatter": (lambda: tpudist.reduce_scatter(full),
+                                       lambda: dist.reduce_scatter_tensor(out_part, full)),
+                }
+                mine, gloo = ops[name]
+                iters = _iters(elems * 4, budget)
+                row = {"collective": name, "procs": n, "bytes": elems * 4, "iters": iters}
+                # Interleave repetitions so both see the same machine load.
+                times: dict[str, list[float]] = {"tpudist": [], "gloo": []}
+                for _ in range(2):
+                    mine(); gloo()
+                for rep in range(3):
+                    for label, fn in (("tpudist", mine), ("gloo", gloo)):
+                        dist.barrier()
+                        start = time.perf_counter()
+                        for _ in range(iters):
+                            fn()
+                        times[label].append((time.perf_counter() - start) / iters)
+                for label in times:
+                    t = torch.tensor([statistics.median(times[label])], dtype=torch.float64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the collective's time
+                    row[f"{label}_s"] = float(t)
+                rows.append(row)
+    finally:
+        dist.destroy_process_group()
+    return rows if index == 0 else []
+
+
+def bus_factor(name: str, n: int) -> float:
+    return 2 * (n - 1) / n if name == "all_reduce" else (n - 1) / n
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-bytes", default="64Mi")
+    parser.add_argument("--budget", type=float, default=0.2, help="seconds per measurement (approx.)")
+    parser.add_argument("--json", default="bench-results/collectives.json")
+    args = parser.parse_args()
+    byte_sizes = sizes(_parse_bytes(args.max_bytes))
+    rows: list[dict] = []
+    for n in args.procs:
+        rows += tpudist.spawn(measure, args=(byte_sizes, args.budget), nprocs=n, cpu_devices=1, timeout=3600)[0]
+    print(f"{'collective':15} {'procs':>5} {'size':>10} {'tpudist ms':>11} {'gloo ms':>9} {'ratio':>6} "
+          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo busbw':>10}")
+    for r in rows:
+        r["ratio"] = r["tpudist_s"] / r["gloo_s"]
+        r["algbw_GBps"] = r["bytes"] / r["tpudist_s"] / 1e9
+        r["busbw_GBps"] = r["algbw_GBps"] * bus_factor(r["collective"], r["procs"])
+        r["gloo_busbw_GBps"] = r["bytes"] / r["gloo_s"] / 1e9 * bus_factor(r["collective"], r["procs"])
+        print(f"{r['collective']:15} {r['procs']:>5} {human(r['bytes']):>10} {r['tpudist_s'] * 1e3:>11.3f} "
+              f"{r['gloo_s'] * 1e3:>9.3f} {r['ratio']:>6.2f} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f} "
+              f"{r['gloo_busbw_GBps']:>10.3f}")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
+    print(f"JSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
