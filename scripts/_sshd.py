@@ -51,7 +51,7 @@ def _free_port(addresses: list[str]) -> int:
 class LoopbackSshd:
     """Real sshd serving `n_hosts` loopback addresses with generated keys; a context manager."""
 
-    def __init__(self, n_hosts: int, *, max_startups: int = 256) -> None:
+    def __init__(self, n_hosts: int, *, max_startups: int = 256, clean_login: bool = True) -> None:
         if not os.path.exists(SSHD):
             raise RuntimeError(f"{SSHD} is missing; install it with `apt-get install openssh-server`")
         self.n_hosts = n_hosts
@@ -62,6 +62,7 @@ class LoopbackSshd:
         self.known_hosts = self.dir / "known_hosts"
         self.host_key = self.dir / "ssh_host_ed25519_key"
         self._max_startups = max_startups
+        self.clean_login = clean_login and self._can_mask_rc()
         self._procs: list[subprocess.Popen] = []
 
     @property
@@ -113,11 +114,34 @@ class LoopbackSshd:
                 f"MaxStartups {self._max_startups}",
                 "MaxSessions 64",
                 "", ]))
-            proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+            argv = [SSHD, "-D", "-e", "-f", str(config)]
+            if self.clean_login:
+                argv = [*self._masking_prefix(), *argv]
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=open(self.dir / "sshd.log", "ab"))
             self._procs.append(proc)
         self._wait_listening(deadline=time.monotonic() + 15)
         return self
+
+    # bash sources ~/.bashrc for every command sshd runs. This machine's root .bashrc runs
+    # `pyenv init`, whose rehash takes a global lock: it serialises every SSH session, whatever the
+    # client. With clean_login, sshd runs in a private mount namespace where ~/.bashrc is an empty
+    # file, like a fresh VM's login; the real file is untouched. Falls back when unshare is not allowed.
+    _RC = os.path.expanduser("~/.bashrc")
+
+    @classmethod
+    def _can_mask_rc(cls) -> bool:
+        if not os.path.exists(cls._RC) or not shutil.which("unshare"):
+            return False
+        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                f'mount --bind /dev/null "{cls._RC}"'], capture_output=True)
+        return probe.returncode == 0
+
+    def _masking_prefix(self) -> list[str]:
+        empty = self.dir / "empty_bashrc"
+        empty.write_text("")
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                'mount --bind "$0" "$1" && shift && exec "$@"', str(empty), self._RC]
 
     def _wait_listening(self, deadline: float) -> None:
         pending = list(self.addresses)

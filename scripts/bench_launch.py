@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""Benchmark: how long `python -m tpudist.xla_dist` takes to start and to stop a job over SSH.
+"""Benchmark: how long `python -m tpudist.xla_dist` takes to start and to end a job over SSH.
 
 For 1, 8, 32 and 64 loopback hosts (127.0.0.2, 127.0.0.3, ... served by a real sshd, see
 scripts/_sshd.py) it measures, in the same run:
 
-  ssh fan-out   every host at once with the OpenSSH client: `ssh host true` (the anchor)
-  pdsh          `pdsh -R ssh -w <all hosts> true`
-  tpudist start launcher start until every process has printed its first line
-  tpudist stop  SIGINT to the launcher until it has exited, every process stopped on every host
+  ssh fan-out    the anchor: `ssh host true` to every host at once with the OpenSSH client
+  pdsh           `pdsh -R ssh -w <all hosts> true`
+  tpudist start  launcher start until every process has printed its first line
+  stop (^C)      SIGINT to the launcher until it has exited, every process stopped on every host
+  fail-fast      rank 0 exits 3 until the launcher has exited with 3, every other process stopped
+  launcher cpu   the launcher process's own CPU seconds for one job
+  left           processes of the job still alive afterwards (must be 0)
 
-One process per host runs `sh -c 'echo ready; exec sleep 600'`. All hosts share this machine's
-cores, so per-host work (sshd, the agent) adds up here where a real pod runs it in parallel.
-Each number is the best of --repeat runs (the machine may be shared). Prints a table and JSON.
+One process per host runs `echo ready; exec sleep 600`. All hosts share this machine's cores, so
+per-host work (sshd, bash, the Python agent) adds up here where a real pod runs it in parallel on
+every host. sshd runs with an empty ~/.bashrc where possible (see scripts/_sshd.py; the JSON says
+so), the same for every tool. Each number is the best of --repeat runs, since the machine may be
+shared. Prints a table and JSON.
 
     .venv/bin/python scripts/bench_launch.py --hosts 1,8,32,64 --repeat 2 --json bench.json
 """
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import signal
 import subprocess
 import sys
@@ -51,12 +57,20 @@ def pdsh(sshd: LoopbackSshd, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def tpudist(sshd: LoopbackSshd, timeout: float) -> tuple[float, float, int]:
-    """(start seconds, stop seconds, processes left running afterwards)."""
+# Every process prints "ready" and sleeps; rank 0 exits 3 once the trigger file exists ("fail" mode).
+PAYLOAD = ('echo ready; if [ "$RANK" = 0 ] && [ "$1" != - ]; then '
+           'while [ ! -e "$1" ]; do sleep 0.02; done; exit 3; fi; exec sleep 600')
+
+
+def tpudist(sshd: LoopbackSshd, timeout: float, mode: str) -> dict:
+    """One job: start time until every process ran, then the time to end it by SIGINT ("stop") or
+    by rank 0 failing ("fail"); the launcher's own CPU seconds; processes left afterwards."""
     marker = f"tpudist-bench-{uuid.uuid4().hex[:8]}"
+    trigger = pathlib.Path(f"/tmp/{marker}.trigger")
     n = len(sshd.addresses)
     cmd = [sys.executable, "-m", "tpudist.xla_dist", *sshd.launcher_flags(), "--fanout", str(n),
-           "--", "sh", "-c", "echo ready; exec sleep 600", marker]
+           "--", "sh", "-c", PAYLOAD, "sh", str(trigger) if mode == "fail" else "-", marker]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -71,18 +85,24 @@ def tpudist(sshd: LoopbackSshd, timeout: float) -> tuple[float, float, int]:
                 raise TimeoutError(f"only {ready}/{n} processes ran within {timeout} s")
         started = time.monotonic() - t0
         t1 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        if mode == "fail":
+            trigger.touch()
+        else:
+            proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=timeout)
-        stopped = time.monotonic() - t1
-        if code != 130:
-            raise RuntimeError(f"launcher exited {code} after SIGINT, not 130")
+        ended = time.monotonic() - t1
+        if code != (3 if mode == "fail" else 130):
+            raise RuntimeError(f"launcher exited {code} in {mode} mode: {proc.stderr.read().decode()[-2000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        trigger.unlink(missing_ok=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     time.sleep(0.5)  # agents end their processes on their own after the launcher; give them a moment
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    return started, stopped, len(left)
+    return {"start": started, "end": ended, "launcher_cpu": cpu, "left": len(left)}
 
 
 def main() -> int:
@@ -91,32 +111,39 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
+    ap.add_argument("--machine-bashrc", action="store_true",
+                    help="keep this machine's ~/.bashrc in every SSH session (default: an empty one)")
     args = ap.parse_args()
     results = []
     for n in [int(x) for x in args.hosts.split(",")]:
-        with LoopbackSshd(n) as sshd:
+        with LoopbackSshd(n, clean_login=not args.machine_bashrc) as sshd:
             ssh_fanout(sshd, args.timeout)  # warm-up: page cache, sshd's first forks
-            runs = {"ssh": [], "pdsh": [], "start": [], "stop": [], "left": []}
+            runs: dict[str, list] = {k: [] for k in ("ssh", "pdsh", "start", "stop", "fail", "cpu", "left")}
             for _ in range(args.repeat):
                 runs["ssh"].append(ssh_fanout(sshd, args.timeout))
                 runs["pdsh"].append(pdsh(sshd, args.timeout))
-                start, stop, left = tpudist(sshd, args.timeout)
-                runs["start"].append(start)
-                runs["stop"].append(stop)
-                runs["left"].append(left)
+                stop = tpudist(sshd, args.timeout, "stop")
+                fail = tpudist(sshd, args.timeout, "fail")
+                runs["start"] += [stop["start"], fail["start"]]
+                runs["stop"].append(stop["end"])
+                runs["fail"].append(fail["end"])
+                runs["cpu"] += [stop["launcher_cpu"], fail["launcher_cpu"]]
+                runs["left"] += [stop["left"], fail["left"]]
         row = {"hosts": n, "ssh_fanout_s": min(runs["ssh"]), "pdsh_s": min(runs["pdsh"]),
                "tpudist_start_s": min(runs["start"]), "tpudist_stop_s": min(runs["stop"]),
-               "processes_left": max(runs["left"]), "runs": runs}
+               "tpudist_fail_fast_s": min(runs["fail"]), "launcher_cpu_s": min(runs["cpu"]),
+               "processes_left": max(runs["left"]), "clean_login": sshd.clean_login, "runs": runs}
         row["start_vs_ssh"] = row["tpudist_start_s"] / row["ssh_fanout_s"]
         results.append(row)
         print(f"measured {n} hosts: {row['tpudist_start_s']:.2f} s start vs {row['ssh_fanout_s']:.2f} s ssh",
               file=sys.stderr)
-    header = f"{'hosts':>5}  {'ssh fan-out':>11}  {'pdsh':>6}  {'tpudist start':>13}  {'x ssh':>6}  " \
-             f"{'tpudist stop':>12}  {'left':>4}"
+    header = (f"{'hosts':>5}  {'ssh fan-out':>11}  {'pdsh':>6}  {'tpudist start':>13}  {'x ssh':>5}  "
+              f"{'stop (^C)':>9}  {'fail-fast':>9}  {'launcher cpu':>12}  {'left':>4}")
     print(header)
     for r in results:
         print(f"{r['hosts']:>5}  {r['ssh_fanout_s']:>10.2f}s  {r['pdsh_s']:>5.2f}s  {r['tpudist_start_s']:>12.2f}s  "
-              f"{r['start_vs_ssh']:>6.2f}  {r['tpudist_stop_s']:>11.2f}s  {r['processes_left']:>4}")
+              f"{r['start_vs_ssh']:>5.2f}  {r['tpudist_stop_s']:>8.2f}s  {r['tpudist_fail_fast_s']:>8.2f}s  "
+              f"{r['launcher_cpu_s']:>11.2f}s  {r['processes_left']:>4}")
     doc = {"benchmark": "launch", "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "results": results}
     print(json.dumps(doc))
     if args.json:

@@ -1,7 +1,5 @@
 """`python -m tpudist`: the `tpudist` console script (launch, doctor)."""
 
-import sys
-
 from tpudist.cli import main
 
-sys.exit(main())
+main()  # exits the process itself

@@ -9,6 +9,7 @@ collectives.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -22,12 +23,13 @@ _job: contract.JobEnv | None = None
 _joined_distributed = False
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
-def _set_cpu_device_count(count: int) -> None:
-    """Sets the CPU device count in XLA_FLAGS; it only takes effect before JAX's backend starts."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    flags.append(f"{_DEVICE_COUNT_FLAG}={count}")
+def _set_xla_flag(flag: str, value: object) -> None:
+    """Sets one flag in XLA_FLAGS; it only takes effect before JAX's backend starts."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag + "=")]
+    flags.append(f"{flag}={value}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
@@ -84,7 +86,9 @@ def init(environ: Any = None) -> contract.JobEnv:
                         f"{contract.CPU_DEVICES}={job.cpu_devices} but JAX already started with {have} "
                         "CPU devices; call tpudist.init() before any JAX computation")
             else:
-                _set_cpu_device_count(job.cpu_devices)
+                _set_xla_flag(_DEVICE_COUNT_FLAG, job.cpu_devices)
+        # XLA's CPU (gloo) collectives then fail after this long instead of waiting forever.
+        _set_xla_flag(_COLLECTIVE_TIMEOUT_FLAG, math.ceil(job.collective_timeout))
         _configure_jax(job)
         if job.world_size > 1:
             import jax

@@ -151,12 +151,17 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
     results: dict[int, Any] = {}
+    # The caller's timeouts (in `env` or this process's environment) carry over to the job.
+    given = {**os.environ, **(env or {})}
+    limits = contract.JobEnv.from_environ({k: given[k] for k in (contract.INIT_TIMEOUT, contract.COLLECTIVE_TIMEOUT)
+                                           if k in given})
     for index in range(nprocs):
         job = contract.JobEnv(
             rank=index, world_size=nprocs, local_rank=index, local_world_size=nprocs,
             coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
             host="localhost", cpu_devices=cpu_devices,
-            platform="cpu" if cpu_devices is not None else None, job_id=job_id)
+            platform="cpu" if cpu_devices is not None else None, job_id=job_id,
+            init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout)
         child_env = {**(env or {}), **job.to_environ()}
         reader, writer = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",

@@ -18,7 +18,15 @@ USAGE = """usage: tpudist {launch,doctor} ...
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Runs a subcommand; called without `argv` (as the console script) it ends the process itself."""
+    if argv is None:
+        from tpudist.xla_dist import exit_now
+
+        exit_now(_run(sys.argv[1:]))
+    return _run(list(argv))
+
+
+def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
@@ -63,4 +71,4 @@ def doctor(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -86,14 +86,14 @@ def mismatches() -> dict:
     # A peer that never arrives: rank 1 skips this collective; rank 0's error names it.
     start = time.monotonic()
     if rank == 0:
-        out["missing"] = _error(lambda: tpudist.all_gather(np.ones(7, np.float32), timeout=3))
+        out["missing"] = _error(lambda: tpudist.all_gather(np.ones(7, np.float32)))
     out["missing_seconds"] = time.monotonic() - start
     return out
 
 
 @pytest.fixture(scope="module")
 def mismatch() -> list[dict]:
-    return run_on_mesh(mismatches, nprocs=2, cpu_devices=1, timeout=300)
+    return run_on_mesh(mismatches, nprocs=2, cpu_devices=1, timeout=300, env={"TPUDIST_COLLECTIVE_TIMEOUT": "6"})
 
 
 @pytest.mark.parametrize("case, words", [
@@ -116,4 +116,30 @@ def test_missing_peer_times_out_naming_the_rank(mismatch):
     kind, message = mismatch[0]["missing"]
     assert kind == "CollectiveTimeout", message
     assert "ranks [1] did not arrive" in message and "TPUDIST_COLLECTIVE_TIMEOUT" in message
-    assert mismatch[0]["missing_seconds"] < 30
+    assert 6 <= mismatch[0]["missing_seconds"] < 30
+
+
+def cached_then_missing(collective: str) -> tuple | None:
+    x = np.ones(4, np.float32)
+    call = {"all_reduce": tpudist.all_reduce, "reduce_scatter": tpudist.reduce_scatter,
+            "all_gather": tpudist.all_gather}[collective]
+    call(x)  # compiled and checked once; the next call runs without the check
+    if tpudist.process_index() == 1:
+        time.sleep(20)  # alive but never calling: rank 0 must time out, not see a closed socket
+        return None
+    start = time.monotonic()
+    timed_out = _error(lambda: call(x))
+    seconds = time.monotonic() - start
+    return timed_out, seconds, _error(lambda: call(x))
+
+
+# reduce_scatter: gloo's own reduce-scatter ignores the collective timeout (jax#40831).
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_missing_peer_on_a_cached_collective_times_out_and_later_calls_refuse(collective):
+    (kind, message), seconds, (after_kind, after) = run_on_mesh(
+        cached_then_missing, nprocs=2, kwargs={"collective": collective}, timeout=300,
+        env={"TPUDIST_COLLECTIVE_TIMEOUT": "5"})[0]
+    assert kind == "CollectiveTimeout", message
+    assert f"{collective} (collective #2) timed out after 5s" in message and "ranks [1] did not arrive" in message
+    assert 5 <= seconds < 15
+    assert after_kind == "CollectiveError" and "restart the job" in after

@@ -23,7 +23,7 @@ CASES = (
      for tables, combiner in ((SINGLE, None), (MULTI, "mean"))]
     + [({"data": 1, "model": 4}, "psum", MULTI, "sum"),
        ({"data": 1, "model": 4}, "all_to_all", MULTI, "sum"),
-       ({"data": 1, "model": 4}, "psum_scatter", SINGLE, "mean"),
+       ({"data": 1, "model": 4}, "auto", SINGLE, "mean"),
        ({"data": 4, "model": 1}, "auto", MULTI, None)]
 )
 
@@ -146,9 +146,12 @@ def test_lookup_and_gradient_equal_dense_reference(case_results, case):
         assert r["grad_sharding_is_table_sharding"]
         # Every device holds one block of the gradient: the table's rows / axis size, never all of it.
         assert r["grad_shard_shapes"] == [r["block_shape"]]
-        if algorithm != "auto":
-            split = ("data", "model") if algorithm != "psum" and axes["model"] > 1 else ("data",)
-            assert r["plan"] == ((algorithm if axes["model"] > 1 else "psum"), split)
+        # The batch splits over every axis of size > 1 when the algorithm needs per-device ids.
+        split = tuple(a for a in ("data", "model") if axes[a] > 1)
+        if algorithm == "psum" or axes["model"] == 1 or (algorithm == "auto" and axes["model"] == 2):
+            assert r["plan"] == ("psum", tuple(a for a in split if a != "model"))
+        else:
+            assert r["plan"] == ("psum_scatter" if algorithm == "auto" else algorithm, split)
 
 
 # -- init, memory, errors ----------------------------------------------------------------------------

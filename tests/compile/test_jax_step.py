@@ -165,8 +165,18 @@ def _gather(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def test_per_device_step_runs_in_graph_collectives_and_sharded_lookup():
-    results = tpudist.spawn(_per_device, nprocs=2, cpu_devices=2, timeout=120)
+def _per_device_and_errors(index: int):
+    return {"per_device": _per_device(index), "errors": _errors(index)}
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    """One 2-process x 2-device job for the per-device and argument checks below."""
+    return tpudist.spawn(_per_device_and_errors, nprocs=2, cpu_devices=2, timeout=180)
+
+
+def test_per_device_step_runs_in_graph_collectives_and_sharded_lookup(two_by_two):
+    results = [r["per_device"] for r in two_by_two]
     left, right = _GLOBAL_X[:, :2], _GLOBAL_X[:, 2:]
     for rank, r in enumerate(results):
         assert r["rows"] == [(4 * rank, 4 * rank + 4), (0, 4)]
@@ -211,8 +221,8 @@ def _errors(index: int):
     return {"messages": messages, "static_outs": outs, "static_compiles": scaled.stats.compiles}
 
 
-def test_argument_errors_name_the_problem_and_static_args_are_baked_in():
-    results = tpudist.spawn(_errors, nprocs=2, cpu_devices=1, timeout=120)
+def test_argument_errors_name_the_problem_and_static_args_are_baked_in(two_by_two):
+    results = [r["errors"] for r in two_by_two]
     for r in results:
         m = r["messages"]
         assert "in_specs has 1 entries for 2 arguments" in m["in_specs_length"]
@@ -263,3 +273,42 @@ def test_persistent_cache_hit_is_counted_and_logged(tmp_path):
     assert any("compiled in" in line for line in first["log"])
     assert any("loaded from the persistent compilation cache" in line for line in second["log"])
     assert any(tmp_path.joinpath("xla").iterdir())
+
+
+# -- the DLRM example, started the way the launcher starts a job ----------------------------------------
+
+@pytest.mark.slow
+def test_dlrm_example_trains_on_two_processes_of_two_devices(tmp_path):
+    """Stand-in for `python -m tpudist.xla_dist --local --nproc-per-host 2 --cpu-devices 2`: this
+    test writes the environment contract for 2 processes itself and starts the example in each."""
+    from tpudist._spawn import free_port
+    coordinator, master_port = f"127.0.0.1:{free_port()}", free_port()
+    procs = []
+    for rank in range(2):
+        job = contract.JobEnv(rank=rank, world_size=2, local_rank=rank, local_world_size=2,
+                              coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
+                              host="localhost", cpu_devices=2, platform="cpu", job_id="dlrm-test")
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "examples" / "train_dlrm.py"), "--steps", "60",
+             "--global-batch", "128", "--log-every", "20", "--lr", "0.01"],
+            env={**os.environ, **job.to_environ()}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    deadline = time.monotonic() + 240
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    out = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)]
+    assert [p.returncode for p in procs] == [0, 0], out
+    lines = [line for line in out[0].splitlines() if not line.startswith("[Gloo]")]
+    assert "mesh data(2) x model(2) over 4 devices in 2 processes" in lines[0]
+    assert "compiled 1x" in lines[-2]
+    match = re.fullmatch(r"loss (\d+\.\d+) -> (\d+\.\d+)  \((\d+) examples/s\)", lines[-1])
+    assert match, lines[-1]
+    first, last, rate = float(match[1]), float(match[2]), int(match[3])
+    assert last < first - 0.05 and rate > 0
+    assert "loss" not in "".join(l for l in out[1].splitlines() if not l.startswith("[Gloo]"))

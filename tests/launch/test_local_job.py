@@ -22,29 +22,32 @@ SLEEPER = "import sys, time; print('ready', flush=True); time.sleep(120)"
 
 
 def test_every_line_arrives_whole_prefixed_and_on_its_own_stream(tmp_path):
-    n_lines, width = 200, 3000  # lines longer than a pipe's atomic write, from two processes at once
+    # Two processes at once, lines short and far longer than a pipe's atomic write (PIPE_BUF).
+    n_lines = 120
+    width = [70_000 if i % 3 == 0 else 40 for i in range(n_lines)]
     code = textwrap.dedent(f"""
         import os, sys
         r = os.environ["RANK"]
+        width = {width!r}
         for i in range({n_lines}):
-            print(f"out-{{r}}-{{i}}-" + "o" * {width})
-            print(f"err-{{r}}-{{i}}-" + "e" * {width}, file=sys.stderr)
+            print(f"out-{{r}}-{{i}}-" + "o" * width[i])
+            print(f"err-{{r}}-{{i}}-" + "e" * width[i], file=sys.stderr)
     """)
     r = launch("--nproc-per-host", "2", "--log-dir", str(tmp_path / "logs"), "--", "python", "-c", code)
     assert r.returncode == 0, r.stderr[-2000:]
     for stream, kind, fill in ((r.stdout, "out", "o"), (r.stderr, "err", "e")):
-        pattern = re.compile(rf"^\[w0 r(\d) localhost\] {kind}-(\d)-(\d+)-{fill}{{{width}}}$")
+        pattern = re.compile(rf"^\[w0 r(\d) localhost\] {kind}-(\d)-(\d+)-({fill}*)$")
         seen: dict[int, list[int]] = {0: [], 1: []}
         for line in stream.decode().splitlines():
             m = pattern.match(line)
             assert m, f"cut, mixed or misplaced line on std{kind}: {line[:120]!r}"
-            assert m[1] == m[2]  # the prefix names the rank that printed the line
+            assert m[1] == m[2] and len(m[4]) == width[int(m[3])]  # whole, and from the rank in the prefix
             seen[int(m[1])].append(int(m[3]))
         assert seen == {0: list(range(n_lines)), 1: list(range(n_lines))}
     for rank in (0, 1):  # one file per rank, both streams, without the console prefix
         lines = (tmp_path / "logs" / f"rank{rank}.log").read_text().splitlines()
-        assert sorted(lines) == sorted([f"out-{rank}-{i}-" + "o" * width for i in range(n_lines)]
-                                       + [f"err-{rank}-{i}-" + "e" * width for i in range(n_lines)])
+        assert sorted(lines) == sorted([f"out-{rank}-{i}-" + "o" * width[i] for i in range(n_lines)]
+                                       + [f"err-{rank}-{i}-" + "e" * width[i] for i in range(n_lines)])
 
 
 def test_ranks_filter_and_prefix_template():
@@ -177,3 +180,19 @@ def test_unknown_conda_env_fails_with_the_name(conda_stand_in):
     r = launch("--conda-env=nope", "--", "python", "-c", "pass", env=env)
     assert r.returncode == 127
     assert "EnvironmentNameNotFound: nope" in r.stderr.decode()
+
+
+def test_sigusr1_is_forwarded_to_every_process(marker, no_leftovers):
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: (print('got USR1', os.environ['RANK'], flush=True), sys.exit(0)))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n"
+            "sys.exit(1)")
+    proc = start_launcher("--nproc-per-host", "2", "--", "python", "-c", code, marker)
+    try:
+        wait_lines(proc, 2, b"ready", timeout=60)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=30) == 0  # both processes handled the signal and exited 0
+        assert sorted(re.findall(rb"got USR1 (\d)", proc.stdout.read())) == [b"0", b"1"]
+    finally:
+        proc.kill()

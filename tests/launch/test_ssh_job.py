@@ -269,3 +269,25 @@ def test_version_skew_across_hosts_is_a_warning(sshd, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     [warning] = [line for line in r.stderr.decode().splitlines() if "versions differ" in line]
     assert "jax" in warning and "0.0.1 on 127.0.0.3" in warning and "on 127.0.0.2" in warning
+
+
+def test_ssh_agent_key_and_hostfile_slots(sshd, tmp_path):
+    home = tmp_path / "home"  # no ~/.ssh keys here: only the SSH agent holds the key
+    home.mkdir()
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
+    try:
+        assert wait_until(sock.exists, timeout=10)
+        env = {**os.environ, "HOME": str(home), "SSH_AUTH_SOCK": str(sock)}
+        subprocess.run(["ssh-add", "-q", str(sshd.key)], env=env, check=True, timeout=30)
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"# two workers\n127.0.0.2:{sshd.port} slots=2\n\n127.0.0.3:{sshd.port} slots=1\n")
+        code = "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['TPUDIST_HOST'])"
+        r = launch("--hostfile", str(hostfile), "--known-hosts", str(sshd.known_hosts), "--",
+                   "python", "-c", code, env=env)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+    assert r.returncode == 0, r.stderr.decode()
+    lines = sorted(line.split("] ", 1)[1] for line in r.stdout.decode().splitlines())
+    assert lines == ["0 0 127.0.0.2", "1 1 127.0.0.2", "2 0 127.0.0.3"]

@@ -8,8 +8,9 @@ executable is compiled per signature (collective, parameters, groups, shapes, dt
 Mismatches and missing peers become errors rather than hangs:
 - the first time a process sees a signature, it publishes it in the coordinator's key-value store
   and compares it with every peer's at the same position in the sequence of collectives;
-- every run waits with a deadline; a process still waiting after a second records its arrival, so
-  that on timeout the message names the ranks that never came.
+- XLA's gloo collectives time out after TPUDIST_COLLECTIVE_TIMEOUT seconds (init() passes it as
+  --xla_cpu_collective_timeout_seconds); a process that timed out records its arrival in the
+  key-value store and reads its peers', so the message names the ranks that never came.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -35,8 +35,7 @@ log = logging.getLogger("tpudist.collectives")
 SLOT = "s"  # mesh axis inside a replica group
 GROUP = "g"  # mesh axis across replica groups
 _SPEC = P(GROUP, SLOT)
-_SPIN_SECONDS = 0.0003  # short collectives finish within this; longer ones go to the waiter thread
-_ARRIVAL_AFTER = 1.0  # seconds of waiting after which a process records that it arrived
+_ARRIVAL_GRACE = 2.0  # seconds a timed-out process gives its peers to record their arrival
 
 
 class CollectiveError(RuntimeError):
@@ -90,28 +89,6 @@ def normalize_groups(groups: Sequence[Sequence[int]] | None, n: int) -> tuple[tu
     return norm
 
 
-class _Waiter:
-    """A daemon thread that blocks on XLA results, so the caller can wait with a deadline."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="tpudist-collective-waiter", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            outs, done, errors = self._jobs.get()
-            try:
-                jax.block_until_ready(outs)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                errors.append(e)
-            done.set()
-
-    def submit(self, outs: Any) -> tuple[threading.Event, list[BaseException]]:
-        done, errors = threading.Event(), []
-        self._jobs.put((outs, done, errors))
-        return done, errors
-
-
 class Engine:
     """Compiles, checks and runs collectives for this process. One per job (see `engine()`)."""
 
@@ -132,13 +109,11 @@ class Engine:
         self._cache: dict[Any, Any] = {}
         self._meshes: dict[Any, tuple[Mesh, tuple[int, int]]] = {}
         self._lock = threading.Lock()
-        self._waiter: _Waiter | None = None
         self._broken: str | None = None
 
     # -- public entry ---------------------------------------------------------------------------
 
-    def run(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array],
-            timeout: float | None = None) -> list[jax.Array]:
+    def run(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array]) -> list[jax.Array]:
         """Runs `op` on this process's blocks; returns this process's result blocks."""
         with self._lock:
             if self._broken:
@@ -146,7 +121,7 @@ class Engine:
                                       f"after an earlier failure ({self._broken}); restart the job")
             self.seq += 1
             seq = self.seq
-            limit = timeout or self.timeout
+            limit = self.timeout
             deadline = time.monotonic() + limit
             mesh, (gi, si) = self._mesh(groups)
             key = (op.name, op.params, groups, tuple((b.shape, b.dtype) for b in blocks))
@@ -160,9 +135,20 @@ class Engine:
             global_shape = (len(groups), len(groups[0]))
             inputs = [jax.make_array_from_single_device_arrays(global_shape + b.shape[2:], sharding, [b])
                       for b in blocks]
-            outs = [o.addressable_data(0) for o in compiled(*inputs)]
             self.stats["calls"] += 1
-            self._wait(outs, deadline, seq, op, limit)
+            start = time.monotonic()
+            try:
+                # XLA's gloo collectives enforce the deadline themselves (init() sets
+                # --xla_cpu_collective_timeout_seconds); small ones even run inside this call.
+                outs = [o.addressable_data(0) for o in compiled(*inputs)]
+                jax.block_until_ready(outs)
+            except Exception as e:  # noqa: BLE001 - XlaRuntimeError, re-raised with the job's facts
+                self._broken = f"{op.name} (collective #{seq}) failed"
+                if time.monotonic() - start >= 0.9 * limit or "timed out" in str(e).lower():
+                    missing = self._missing(seq) if self.kv is not None else []
+                    raise self._timeout_error(seq, op, missing, "waiting for peers", limit) from e
+                raise CollectiveError(f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) "
+                                      f"failed, most likely because a peer process died: {e}") from e
             return outs
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -214,6 +200,7 @@ class Engine:
                 theirs = json.loads(self.kv.blocking_key_value_get(base + str(r), left_ms))
             except Exception:  # noqa: BLE001 - the coordination service's timeout error
                 missing = [q for q in range(self.n) if q != self.rank and not self._has(base + str(q))]
+                self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
                 raise self._timeout_error(seq, op, missing, "checking the collective's signature",
                                           limit) from None
             for field, value in mine.items():
@@ -230,32 +217,6 @@ class Engine:
         except Exception:  # noqa: BLE001 - NOT_FOUND
             return False
 
-    def _wait(self, outs: list[jax.Array], deadline: float, seq: int, op: Op, limit: float) -> None:
-        spin_until = time.perf_counter() + _SPIN_SECONDS
-        while time.perf_counter() < spin_until:
-            if all(o.is_ready() for o in outs):
-                return
-        if self._waiter is None:
-            self._waiter = _Waiter()
-        done, errors = self._waiter.submit(outs)
-        waited, arrived = 0.0, False
-        while not done.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = self._missing(seq) if self.kv is not None else []
-                self._broken = f"{op.name} (collective #{seq}) timed out"
-                raise self._timeout_error(seq, op, missing, "waiting for peers", limit)
-            step = min(left, _ARRIVAL_AFTER)
-            done.wait(step)
-            waited += step
-            if not arrived and waited >= _ARRIVAL_AFTER and self.kv is not None:
-                self._arrive(seq)
-                arrived = True
-        if errors:
-            self._broken = f"{op.name} (collective #{seq}) failed: {errors[0]}"
-            raise CollectiveError(f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) "
-                                  f"failed: {errors[0]}") from errors[0]
-
     def _arrive(self, seq: int) -> None:
         try:
             self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", "1")
@@ -264,7 +225,7 @@ class Engine:
 
     def _missing(self, seq: int) -> list[int]:
         self._arrive(seq)
-        time.sleep(min(2.0, _ARRIVAL_AFTER + 0.5))  # let peers that are also waiting record arrival
+        time.sleep(_ARRIVAL_GRACE)  # peers that are also waiting time out about now and record theirs
         base = f"{self.prefix}/arrive/{seq}/"
         return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
 
@@ -274,7 +235,7 @@ class Engine:
         return CollectiveTimeout(
             f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) timed out after "
             f"{limit:g}s {doing}: {who} (crashed, stuck, or called a different collective). "
-            f"Raise {contract.COLLECTIVE_TIMEOUT} (or pass timeout=) if steps are slow.")
+            f"Raise {contract.COLLECTIVE_TIMEOUT} if steps are slow.")
 
     def barrier(self, timeout: float | None = None) -> None:
         """Waits until every process reaches this barrier, or raises CollectiveTimeout."""

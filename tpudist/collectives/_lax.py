@@ -58,12 +58,17 @@ def gather(x: jax.Array, dim: int, axis: str) -> jax.Array:
     return lax.all_gather(_wire(x), axis, axis=dim, tiled=True).astype(x.dtype)
 
 
-def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale: float = 1.0) -> jax.Array:
-    """Reduces over `axis` and leaves participant i with chunk i of dimension `dim`."""
+def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale: float = 1.0,
+                   exchange: str = "native") -> jax.Array:
+    """Reduces over `axis` and leaves participant i with chunk i of dimension `dim`.
+
+    exchange="native" uses XLA's reduce-scatter for sums; "all_to_all" exchanges chunks with an
+    all-to-all and reduces the received chunks locally (the same bytes on the wire).
+    """
     dtype = x.dtype
     if x.size == 0:
         return _empty(x, x.shape[:dim] + (x.shape[dim] // size,) + x.shape[dim + 1:])
-    if op in ("sum", "mean") and dtype not in _LOW_PRECISION:
+    if op in ("sum", "mean") and dtype not in _LOW_PRECISION and exchange == "native":
         out = lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
         if op == "mean":
             out = (out / size).astype(dtype)

@@ -49,7 +49,7 @@ def _divisible(leaf: _convert.Leaf, dim: int, size: int, what: str) -> None:
                          f"pad it to a multiple of {size}")
 
 
-def _eager(name: str, params: dict[str, Any], x: Any, groups: Any, timeout: float | None,
+def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
            body: Callable[[list[jax.Array], int], list[jax.Array]],
            check: Callable[[list[_convert.Leaf], int], None] | None = None,
            detail: tuple[tuple[str, Any], ...] = ()) -> Any:
@@ -64,7 +64,7 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any, timeout: floa
     op = Op(name, tuple(sorted(params.items())), body, detail)
     with jax.enable_x64(True):
         blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
-        outs = eng.run(op, norm, blocks, timeout)
+        outs = eng.run(op, norm, blocks)
         results = [_convert.from_block(o, d, o.shape[2:]) for o, d in zip(outs, descs)]
     return jax.tree_util.tree_unflatten(treedef, results)
 
@@ -87,7 +87,7 @@ def _in_graph(x: Any, groups: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None = None,
-               scale: float = 1.0, *, axis: str | None = None, timeout: float | None = None) -> Any:
+               scale: float = 1.0, *, axis: str | None = None) -> Any:
     """Reduces `x` over every process (or each replica group) with `op` and multiplies by `scale`.
 
     op is one of "sum", "mean", "max", "min", "prod". A list of values is reduced in one compiled
@@ -106,7 +106,7 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     params = {"op": op, "scale": float(scale)}
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if len(leaves) < 2:
-        return _eager("all_reduce", params, x, groups, timeout, body, check)
+        return _eager("all_reduce", params, x, groups, body, check)
     # Coalesce on the host, as DDP's buckets do: one flat buffer and one collective per dtype. The
     # executable then depends only on each buffer's length, so it is compiled once and reused.
     descs = [_convert.describe(leaf) for leaf in leaves]
@@ -117,7 +117,7 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     packed = [np.concatenate([_convert.flat_numpy(leaves[i], descs[i]) for i in idx]) for idx in by_dtype.values()]
     detail = (("number of values", len(leaves)), ("value shapes", [list(d.shape) for d in descs]),
               ("value dtypes", [str(d.dtype) for d in descs]))
-    reduced = _eager("all_reduce", params, packed, groups, timeout, body, check, detail)
+    reduced = _eager("all_reduce", params, packed, groups, body, check, detail)
     results: list[Any] = [None] * len(leaves)
     for idx, flat in zip(by_dtype.values(), reduced):
         offset = 0
@@ -133,7 +133,7 @@ def _axis_size(axis: str) -> int:
 
 
 def all_gather(x: Any, dim: int = 0, groups: Sequence[Sequence[int]] | None = None, *,
-               axis: str | None = None, timeout: float | None = None) -> Any:
+               axis: str | None = None) -> Any:
     """Concatenates every process's `x` along tensor dimension `dim`, in rank (group) order.
 
     A 0-d value gathers into shape (processes,). Example: shape (2, 3) on 4 processes, dim=0
@@ -147,11 +147,11 @@ def all_gather(x: Any, dim: int = 0, groups: Sequence[Sequence[int]] | None = No
             _dim(dim, len(d.shape), "dim")
 
     body = _per_block(lambda v, size: _lax.gather(v, _dim(dim, v.ndim, "dim"), SLOT))
-    return _eager("all_gather", {"dim": dim}, x, groups, timeout, body, check)
+    return _eager("all_gather", {"dim": dim}, x, groups, body, check)
 
 
 def reduce_scatter(x: Any, op: str = "sum", dim: int = 0, groups: Sequence[Sequence[int]] | None = None,
-                   scale: float = 1.0, *, axis: str | None = None, timeout: float | None = None) -> Any:
+                   scale: float = 1.0, *, axis: str | None = None) -> Any:
     """Reduces `x` over the processes with `op`; process i keeps chunk i of dimension `dim`.
 
     `x.shape[dim]` must be a multiple of the group size. Example: shape (8, 3) on 4 processes
@@ -169,13 +169,16 @@ def reduce_scatter(x: Any, op: str = "sum", dim: int = 0, groups: Sequence[Seque
                 raise ValueError("reduce_scatter needs values with at least one dimension, got a scalar")
             _divisible(d, _dim(dim, len(d.shape), "dim"), size, "reduce_scatter")
 
-    body = _per_block(lambda v, size: _lax.reduce_scatter(v, op, _dim(dim, v.ndim, "dim"), SLOT, size, scale))
-    return _eager("reduce_scatter", {"op": op, "dim": dim, "scale": float(scale)}, x, groups, timeout,
+    # Eagerly, always exchange with all_to_all: gloo's reduce-scatter ignores the collective timeout
+    # (jax#40831) and has returned wrong values at 4 MiB chunks (jax#40830).
+    body = _per_block(lambda v, size: _lax.reduce_scatter(v, op, _dim(dim, v.ndim, "dim"), SLOT, size, scale,
+                                                          exchange="all_to_all"))
+    return _eager("reduce_scatter", {"op": op, "dim": dim, "scale": float(scale)}, x, groups,
                   body, check)
 
 
 def all_to_all(x: Any, split_dim: int = 0, concat_dim: int = 0, groups: Sequence[Sequence[int]] | None = None,
-               *, axis: str | None = None, timeout: float | None = None) -> Any:
+               *, axis: str | None = None) -> Any:
     """Splits `split_dim` into one chunk per process, sends chunk j to process j, and concatenates
     what arrives along `concat_dim` in rank order."""
     if axis is not None:
@@ -191,12 +194,12 @@ def all_to_all(x: Any, split_dim: int = 0, concat_dim: int = 0, groups: Sequence
 
     body = _per_block(lambda v, size: _lax.all_to_all(
         v, _dim(split_dim, v.ndim, "split_dim"), _dim(concat_dim, v.ndim, "concat_dim"), SLOT))
-    return _eager("all_to_all", {"split_dim": split_dim, "concat_dim": concat_dim}, x, groups, timeout,
+    return _eager("all_to_all", {"split_dim": split_dim, "concat_dim": concat_dim}, x, groups,
                   body, check)
 
 
 def broadcast(x: Any, src: int = 0, groups: Sequence[Sequence[int]] | None = None, *,
-              axis: str | None = None, timeout: float | None = None) -> Any:
+              axis: str | None = None) -> Any:
     """Every process gets process `src`'s value, bit for bit.
 
     With groups, `src` is a position inside each group (group [2, 3] with src=0 takes rank 2's
@@ -211,7 +214,7 @@ def broadcast(x: Any, src: int = 0, groups: Sequence[Sequence[int]] | None = Non
                              + (" (a position inside each group)" if groups is not None else ""))
 
     body = _per_block(lambda v, size: _lax.broadcast(v, src, SLOT))
-    return _eager("broadcast", {"src": src}, x, groups, timeout, body, check)
+    return _eager("broadcast", {"src": src}, x, groups, body, check)
 
 
 def _check_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
@@ -229,8 +232,7 @@ def _check_pairs(pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     return norm
 
 
-def collective_permute(x: Any, pairs: Sequence[Sequence[int]], *, axis: str | None = None,
-                       timeout: float | None = None) -> Any:
+def collective_permute(x: Any, pairs: Sequence[Sequence[int]], *, axis: str | None = None) -> Any:
     """Sends each source process's `x` to its destination; a process that receives nothing gets
     zeros. Example: pairs=[[0, 1], [1, 0]] swaps ranks 0 and 1."""
     if axis is not None:
@@ -238,10 +240,10 @@ def collective_permute(x: Any, pairs: Sequence[Sequence[int]], *, axis: str | No
         return _in_graph(x, None, lambda v: _lax.permute(v, norm, axis))
     norm = _check_pairs(pairs, engine().n)
     body = _per_block(lambda v, size: _lax.permute(v, norm, SLOT))
-    return _eager("collective_permute", {"pairs": norm}, x, None, timeout, body)
+    return _eager("collective_permute", {"pairs": norm}, x, None, body)
 
 
 def barrier(timeout: float | None = None) -> None:
     """Returns once every process of the job has called barrier(); CollectiveTimeout names the
-    ranks that did not come within the deadline."""
+    ranks that did not come within `timeout` seconds (default TPUDIST_COLLECTIVE_TIMEOUT)."""
     engine().barrier(timeout)

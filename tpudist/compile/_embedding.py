@@ -61,7 +61,9 @@ class ShardedEmbedding:
 
     `algorithm` picks the lookup ("psum", "psum_scatter", "all_to_all", or "auto"): see
     docs/mesh_and_compile.md for what each moves and the measured trade-off. "auto" uses
-    "psum_scatter" when the batch (the first dim of ids) splits over every mesh axis, else "psum".
+    "psum_scatter" when `axis` has more than 2 devices and the batch (the first dim of ids) splits
+    over every mesh axis, else "psum". An algorithm that needs the batch split falls back to
+    "psum" when it does not divide.
     Example::
 
         emb = tpudist.ShardedEmbedding([1000, 50, 7], 16, mesh=mesh, axis="model")
@@ -211,12 +213,14 @@ class ShardedEmbedding:
 
     def plan(self, batch: int | None) -> tuple[str, tuple[str, ...]]:
         """(algorithm, mesh axes the batch dim is split over) for a global batch of `batch` rows."""
-        others = tuple(a for a in self.mesh.axis_names if a != self.axis)
+        others = tuple(a for a in self.mesh.axis_names if a != self.axis and self.mesh.shape[a] > 1)
         data = math.prod(self.mesh.shape[a] for a in others)
         shards = self.layout.shards
         if batch is None:
             return "psum", ()
-        wants_split = self.algorithm in ("auto", "psum_scatter", "all_to_all") and shards > 1
+        # "auto": one all-reduce is cheapest on a 2-device axis; from 4 devices on, the
+        # reduce-scatter's half-sized transfer and the split output win (scripts/bench_embedding.py).
+        wants_split = shards > (2 if self.algorithm == "auto" else 1) and self.algorithm != "psum"
         if wants_split and batch % (data * shards) == 0:
             return ("psum_scatter" if self.algorithm == "auto" else self.algorithm), others + (self.axis,)
         return "psum", (others if batch % data == 0 else ())
@@ -234,8 +238,11 @@ class ShardedEmbedding:
                                      self.axis, self.combiner)
             return self._from_core(out, local_ids, trailing)
 
+        # Size-1 axes stay automatic: a manual one would still all-reduce the table gradient
+        # over it, a table-block-sized temporary for nothing.
+        manual = {a for a in self.mesh.axis_names if self.mesh.shape[a] > 1} | {self.axis}
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(self.axis, None), ids_spec),
-                             out_specs=out_spec)(table, ids)
+                             out_specs=out_spec, axis_names=manual)(table, ids)
 
 
 @functools.lru_cache(maxsize=64)

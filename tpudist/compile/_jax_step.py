@@ -123,6 +123,15 @@ class CompiledStep:
         self.stats = CompileStats()
         self._executables: dict[Any, Any] = {}
         self._mesh_devices = frozenset(mesh.devices.flat)
+        # XLA:CPU with several devices per process and gloo between processes deadlocks when
+        # executions of consecutive steps overlap (seen after ~100-200 un-synced 2x2 DLRM steps;
+        # one device per process never hung). There the host is the device anyway, so wait for
+        # the previous step to finish before starting the next; accelerators stay asynchronous.
+        processes = {d.process_index for d in self._mesh_devices}
+        local = [d for d in self._mesh_devices if d.process_index == jax.process_index()]
+        self._serialize = (len(processes) > 1 and len(local) > 1
+                           and all(getattr(d, "platform", "") == "cpu" for d in local))
+        self._in_flight: list[Any] = []
 
     def __repr__(self) -> str:
         return (f"CompiledStep({self.name}, mesh={dict(self.mesh.shape)}, per_device={self.per_device}, "
@@ -175,6 +184,23 @@ class CompiledStep:
     # -- compiling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        executable, dynamic = self._prepare(args)
+        self.stats.calls += 1
+        with _stats_lock:
+            _totals.calls += 1
+        if self._serialize:
+            jax.block_until_ready([x for x in self._in_flight if not x.is_deleted()])
+        out = executable(*dynamic)
+        if self._serialize:
+            self._in_flight = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        return out
+
+    def compiled(self, *args: Any) -> Any:
+        """The XLA executable (`jax.stages.Compiled`) this step runs for these arguments, compiled
+        now if it is new; e.g. `step.compiled(params, batch).memory_analysis()` for per-device bytes."""
+        return self._prepare(args)[0]
+
+    def _prepare(self, args: tuple) -> tuple[Any, list[Any]]:
         if self.in_specs is not None and not _is_spec(self.in_specs) and len(self.in_specs) != len(args):
             raise ValueError(f"{self.name}: in_specs has {len(self.in_specs)} entries for {len(args)} "
                              "arguments; give one per positional argument (None keeps a global "
@@ -194,10 +220,7 @@ class CompiledStep:
         executable = self._executables.get(key)
         if executable is None:
             executable = self._compile(key, dynamic, statics, len(args))
-        self.stats.calls += 1
-        with _stats_lock:
-            _totals.calls += 1
-        return executable(*dynamic)
+        return executable, dynamic
 
     def _compile(self, key: Any, dynamic: list[Any], statics: tuple, nargs: int) -> Any:
         _install_listener()
@@ -215,9 +238,6 @@ class CompiledStep:
 
         body: Callable[..., Any] = with_statics
         if self.per_device:
-            if self.out_specs is None:
-                raise ValueError(f"{self.name}: per_device=True needs out_specs (how each output's "
-                                 "per-device blocks form the global result)")
             in_specs = tuple(jax.tree_util.tree_map(lambda x: x.sharding.spec, d) for d in dynamic)
             out_specs = jax.tree_util.tree_map(lambda s: P() if s is None else s, self.out_specs,
                                                is_leaf=_is_spec)
@@ -245,7 +265,6 @@ class CompiledStep:
                  "loaded from the persistent compilation cache" if hit else "compiled", seconds,
                  len(self._executables), shapes, f", +{more} more" if more > 0 else "")
         return executable
-
 
     def _constrained(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with its outputs laid out by `out_specs` (None leaves: XLA's choice)."""
@@ -302,10 +321,12 @@ def compile_jax(fn: Callable[..., Any], *, mesh: Any, in_specs: Any = None, out_
 
     `in_specs` is None (all default), a `PartitionSpec` for every argument, or a tuple with one
     entry per positional argument, each a PartitionSpec, None, or a tree of them (a prefix of the
-    argument's structure). `out_specs` (a PartitionSpec or tree of them) fixes the outputs'
-    layout; None lets XLA choose. `donate_argnums` lets XLA reuse those arguments' buffers for the
-    outputs (pass params and optimizer state, then drop the old references); `static_argnums`
-    are hashable Python values baked into the compiled program.
+    argument's structure). `out_specs` (a PartitionSpec or a tree of them that is a prefix of the
+    outputs) fixes the outputs' layout; None, as a whole or at a leaf, lets XLA choose. Outputs
+    are always global arrays on the mesh, ready to feed the next step; one that depends on no
+    input (XLA would leave it on one device) comes back replicated. `donate_argnums` lets XLA
+    reuse those arguments' buffers for the outputs (pass params and optimizer state, then drop
+    the old references); `static_argnums` are hashable Python values baked into the program.
 
     By default `fn` sees global arrays (`jax.jit` semantics; XLA's partitioner inserts the
     collectives). With `per_device=True` it runs under `jax.shard_map`: it sees each device's
@@ -323,7 +344,10 @@ def compile_jax(fn: Callable[..., Any], *, mesh: Any, in_specs: Any = None, out_
         params, opt_state, loss = step(params, opt_state, local_dense, local_labels)
 
     Each new signature compiles once (counted by `compile_stats()`, logged on logger
-    "tpudist.compile"); repeating a signature reuses the executable.
+    "tpudist.compile"); repeating a signature reuses the executable, and `step.compiled(*args)`
+    returns it (e.g. for `.memory_analysis()`). Calls are asynchronous like `jax.jit`'s, except on
+    CPU jobs with several devices per process, where a step waits for the previous one to finish
+    (overlapping multi-device CPU executions deadlock in XLA's gloo collectives).
     """
     from jax.sharding import Mesh
     if not callable(fn):
@@ -335,8 +359,12 @@ def compile_jax(fn: Callable[..., Any], *, mesh: Any, in_specs: Any = None, out_
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (tpudist.mesh.make_mesh builds one), "
                         f"got {type(mesh).__name__}")
+    if per_device and out_specs is None:
+        raise ValueError("per_device=True needs out_specs: how each output's per-device blocks form "
+                         "the global result (P() for values every device holds the same)")
     if in_specs is not None and not _is_spec(in_specs) and not isinstance(in_specs, (tuple, list)):
         raise TypeError(f"in_specs must be None, a PartitionSpec, or a tuple with one entry per "
                         f"argument, got {type(in_specs).__name__}")
-    label = name or getattr(fn, "__name__", None) or type(fn).__name__
+    inner = getattr(fn, "func", fn)  # functools.partial: name the function it wraps
+    label = name or getattr(inner, "__name__", None) or type(fn).__name__
     return CompiledStep(fn, mesh, in_specs, out_specs, donate, static, per_device, label)

@@ -18,8 +18,6 @@ from typing import Any
 
 from tpudist.launch import sources_basic  # noqa: F401 - registers local, hosts, hostfile
 from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict, resolve_cluster, sources, verdicts
-from tpudist.launch.args import build_parser, parse_args
-from tpudist.launch.plan import ProcessPlan, build_plan, plan_json
 
 for _optional in ("sources_tpu", "sources_slurm"):  # written alongside; absent modules must not break launching
     try:
@@ -27,11 +25,13 @@ for _optional in ("sources_tpu", "sources_slurm"):  # written alongside; absent 
     except ImportError:
         pass
 
+# Imported on first use: every host's agent imports this package, and its start-up time adds up.
 _LAZY = {"Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
-         "main": "tpudist.xla_dist"}
+         "main": "tpudist.xla_dist", "build_parser": "tpudist.launch.args", "parse_args": "tpudist.launch.args",
+         "ProcessPlan": "tpudist.launch.plan", "build_plan": "tpudist.launch.plan",
+         "plan_json": "tpudist.launch.plan"}
 
-__all__ = ["Cluster", "ClusterSource", "Host", "Verdict", "resolve_cluster", "sources", "verdicts",
-           "build_parser", "parse_args", "ProcessPlan", "build_plan", "plan_json", *_LAZY]
+__all__ = ["Cluster", "ClusterSource", "Host", "Verdict", "resolve_cluster", "sources", "verdicts", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

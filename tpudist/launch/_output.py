@@ -31,6 +31,7 @@ class LogSink:
         self.prefixes = {p.rank: template.format(worker=p.worker, rank=p.rank, local_rank=p.local_rank,
                                                  host=p.host.address).encode() for p in plan}
         self.files: dict[int, BinaryIO] = {}
+        self.closed: set = set()  # console streams whose reader went away
         self.log_dir = log_dir
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
@@ -49,9 +50,12 @@ class LogSink:
             self.before_first_line()
             with self.lock:
                 for stream, chunks in ((self.stdout, out), (self.stderr, err)):
-                    if chunks:
-                        stream.write(b"".join(chunks))
-                        stream.flush()
+                    if chunks and stream not in self.closed:
+                        try:
+                            stream.write(b"".join(chunks))
+                            stream.flush()
+                        except BrokenPipeError:  # e.g. `| head` has exited: the job goes on
+                            self.closed.add(stream)
 
     def _file(self, rank: int) -> BinaryIO:
         f = self.files.get(rank)

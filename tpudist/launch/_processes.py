@@ -147,6 +147,7 @@ class ProcessSet:
 
     def start(self, start: pb.Start) -> None:
         with self._lock:
+            self._kill(self.procs)  # a restart: whatever is left of the previous attempt goes first
             self.procs = [_Process(spec, start.attempt, self.worker, self.emit) for spec in start.processes]
             for proc in self.procs:
                 proc.start()

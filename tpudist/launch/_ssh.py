@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import paramiko
 
@@ -128,9 +129,7 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
                        f"the old key with `ssh-keygen -R {e.hostname} -f {target.known_hosts}`.") from None
     except paramiko.AuthenticationException as e:
         client.close()
-        tried = ", ".join(target.keys) or "the SSH agent and ~/.ssh/id_*"
-        raise SshError(f"{where}: authentication failed ({e}); tried {tried}. Pass --ssh-key FILE, "
-                       "--ssh-user, or add the key to the SSH agent.") from None
+        raise SshError(_auth_failed(where, target, e)) from None
     except paramiko.ssh_exception.NoValidConnectionsError as e:
         client.close()
         reasons = sorted({err.strerror or str(err) for err in e.errors.values()})
@@ -149,13 +148,21 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         if "protocol banner" in str(e) or time.monotonic() - t0 >= t * 0.9:
             raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is an SSH server "
                            "listening on that port?") from None
+        if "authentication methods" in str(e):  # no key anywhere: not even one was offered
+            raise SshError(_auth_failed(where, target, e)) from None
         detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         raise SshError(f"{where}: cannot connect: {detail}") from None
     return client
 
 
-def forward_control_port(client: paramiko.SSHClient, local_port: int) -> int:
-    """Makes the host's 127.0.0.1:<returned port> reach the launcher's 127.0.0.1:`local_port`."""
+def _auth_failed(where: str, target: Target, error: Exception) -> str:
+    tried = ", ".join(target.keys) or "the SSH agent and ~/.ssh/id_*"
+    return (f"{where}: authentication failed ({error}); tried {tried}. Pass --ssh-key FILE, "
+            "--ssh-user, or add the key to the SSH agent.")
+
+
+def forward_control_port(client: paramiko.SSHClient, local_port: Callable[[], int]) -> int:
+    """Makes the host's 127.0.0.1:<returned port> reach the launcher's 127.0.0.1:`local_port()`."""
     transport = client.get_transport()
     assert transport is not None
 
@@ -169,11 +176,11 @@ def forward_control_port(client: paramiko.SSHClient, local_port: int) -> int:
     return port
 
 
-def _pump(channel: paramiko.Channel, local_port: int) -> None:
+def _pump(channel: paramiko.Channel, local_port: Callable[[], int]) -> None:
     """Copies bytes both ways between a forwarded channel and the local control server."""
     try:
-        sock = socket.create_connection(("127.0.0.1", local_port), timeout=5)
-    except OSError:
+        sock = socket.create_connection(("127.0.0.1", local_port()), timeout=5)
+    except (OSError, TimeoutError):
         channel.close()
         return
     sock.settimeout(None)

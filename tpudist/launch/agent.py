@@ -17,7 +17,6 @@ import ctypes
 import importlib.metadata
 import json
 import os
-import platform
 import queue
 import select
 import signal
@@ -31,11 +30,14 @@ import grpc
 from tpudist.launch import control_pb2 as pb
 from tpudist.launch import control_pb2_grpc as pb_grpc
 from tpudist.launch._processes import ProcessSet
-from tpudist.launch.plan import free_ports
+from tpudist.launch._ports import free_ports
 
 TOKEN_METADATA = "tpudist-token"
 HEARTBEAT_S = 2.0
-KEEPALIVE_MS = 3000  # a dead launcher is noticed within ~2x this, even if no stdin EOF arrives
+# A silently dead launcher (network gone, no stdin EOF, no SIGTERM from the kernel) is noticed within
+# KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS.
+KEEPALIVE_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 10000
 ORPHAN_GRACE_S = 2.0  # SIGTERM-to-SIGKILL when the launcher is gone
 _VERSIONED = ("jax", "jaxlib", "torch", "tpudist")
 _CLOSE = object()
@@ -58,7 +60,7 @@ def read_bootstrap(fd: int, timeout_s: float = 30.0) -> dict:
 
 def versions() -> dict[str, str]:
     """Python and package versions, from metadata only: importing jax or torch would take seconds."""
-    found = {"python": platform.python_version()}
+    found = {"python": "%d.%d.%d" % sys.version_info[:3]}
     for name in _VERSIONED:
         try:
             found[name] = importlib.metadata.version(name)
@@ -95,17 +97,19 @@ class Agent:
     def run(self) -> int:
         threading.Thread(target=self._watch_stdin, daemon=True).start()
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
         try:
             stub = pb_grpc.ControlStub(channel)
-            stub.Register(pb.RegisterRequest(
+            # Register and open the Session together: one round trip through the tunnel, not two.
+            registered = stub.Register.future(pb.RegisterRequest(
                 worker=self.worker, host=self.host, hostname=socket.gethostname(), versions=versions(),
                 free_ports=free_ports(2) if self.worker == 0 else [], pid=os.getpid()),
                 metadata=self.metadata, timeout=30, wait_for_ready=True)
-            responses = stub.Session(self._requests(), metadata=self.metadata)
+            responses = stub.Session(self._requests(), metadata=self.metadata, wait_for_ready=True)
             threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
+            registered.result()
             while not self.done.wait(0.5):  # the main thread stays free for signal handlers
                 pass
         finally:
@@ -172,8 +176,11 @@ class Agent:
         self.procs.wait(ORPHAN_GRACE_S + 2.0)
         self.procs.kill_groups()  # leftovers the processes started in their groups
         if self.reason != "shutdown":
-            print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
-                  file=sys.stderr)
+            try:
+                print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
+                      file=sys.stderr, flush=True)
+            except OSError:  # the launcher, which reads this, may be gone
+                pass
 
 
 def main() -> int:
@@ -190,4 +197,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # the processes are stopped and the channel closed: skip the interpreter's teardown

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from tpudist.launch import _cluster, sources_basic
 from tpudist.launch.args import parse_args
-from tpudist.launch.plan import Ports, build_plan, choose_ports, free_ports, plan_json
+from tpudist.launch._ports import free_ports
+from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json
 
 
 def parse(argv: Sequence[str], prog: str) -> argparse.Namespace:

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import sys
 
 from tpudist import contract
@@ -90,20 +89,6 @@ def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -
         return "127.0.0.1"
     host = cluster.hosts[0]
     return host.internal_ip or ssh_config_hostname or host.address
-
-
-def free_ports(count: int = 2) -> list[int]:
-    """`count` distinct TCP ports that are free on this machine right now."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def choose_ports(args: argparse.Namespace, probed: list[int]) -> Ports:

@@ -27,17 +27,19 @@ import queue
 import secrets
 import signal
 import sys
+import threading
 import time
 
 from tpudist.launch import control_pb2 as pb
 from tpudist.launch._cluster import Cluster
 from tpudist.launch._output import LogSink
 from tpudist.launch._report import ProcState, StartStatus, failure_table
-from tpudist.launch.control import ControlServer
-from tpudist.launch.plan import (ProcessPlan, build_plan, choose_ports, coordinator_host, free_ports,
-                                 processes_per_host, python_env)
+from tpudist.launch._ports import free_ports
+from tpudist.launch.plan import (ProcessPlan, build_plan, choose_ports, coordinator_host, processes_per_host,
+                                 python_env)
 from tpudist.launch.transport import AgentHandle, bootstrap_line, open_agents
 
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # passed on to every process group of the job
 STOP_MARGIN_S = 3.0  # after the grace period: time for SIGKILL and the exit reports to arrive
 
 
@@ -81,8 +83,8 @@ class Supervisor:
         self.hosts = cluster.hosts
         self.job_id = secrets.token_hex(6)
         self.token = secrets.token_urlsafe(32)
-        self.events: queue.Queue = queue.Queue()
-        self.server = ControlServer(self.token, self.events, self.job_id)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in a signal handler
+        self.server = None  # the ControlServer, started while the hosts connect
         self.agents: dict[int, AgentHandle] = {}
         self.registered: dict[int, pb.RegisterRequest] = {}
         self.sessions: set[int] = set()
@@ -101,8 +103,7 @@ class Supervisor:
 
     def run(self) -> int:
         with self._signal_handlers():
-            port = self.server.start()
-            self._connect(port)
+            self._connect()
             self._await_agents()
             while True:
                 self._start_attempt()
@@ -117,7 +118,18 @@ class Supervisor:
                     continue
                 return self._finish(outcome, root)
 
-    def _connect(self, port: int) -> None:
+    def _start_server(self) -> int:
+        from tpudist.launch.control import ControlServer  # grpc: imported while SSH handshakes run
+
+        self.server = ControlServer(self.token, self.events, self.job_id)
+        return self.server.start()
+
+    def _connect(self) -> None:
+        """CONNECTING: agents start on every host while the control server starts here."""
+        port = _Promise()
+        if self.cluster.local:  # the local agent dials the server directly: it must be up first
+            port.set(self._start_server())
+
         def bootstrap(worker, host, die_with_parent):
             return lambda agent_port: bootstrap_line(worker=worker, host=host.address, port=agent_port,
                                                      token=self.token, die_with_parent=die_with_parent)
@@ -125,14 +137,24 @@ class Supervisor:
         def connected(worker: int) -> None:
             self.connected += 1
 
-        def poll() -> bool:
-            self._show_status()
-            return bool(self.interrupts)
+        results: dict = {}
 
-        results = open_agents(
-            self.cluster, python=python_env(self.args).interpreter, make_bootstrap=bootstrap,
-            control_port=port, ssh_options=None if self.cluster.local else ssh_options(self.args),
-            fanout=self.args.fanout, on_connected=connected, poll=poll)
+        def connect() -> None:
+            results.update(open_agents(
+                self.cluster, python=python_env(self.args).interpreter, make_bootstrap=bootstrap,
+                control_port=port.get, ssh_options=None if self.cluster.local else ssh_options(self.args),
+                fanout=self.args.fanout, on_connected=connected, poll=lambda: bool(self.interrupts)))
+
+        # The local agent's death signal is tied to the thread that starts it, so it starts here.
+        if self.cluster.local:
+            connect()
+        else:
+            connecting = threading.Thread(target=connect, name="tpudist-connect", daemon=True)
+            connecting.start()
+            port.set(self._start_server())
+            while connecting.is_alive():  # open_agents has its own deadline
+                connecting.join(timeout=0.1)
+                self._show_status()
         self.agents = {w: r for w, r in results.items() if not isinstance(r, Exception)}
         self.connected = len(self.agents)
         if self.interrupts:
@@ -222,20 +244,24 @@ class Supervisor:
             return 128 + sig
         rootstate = next(s for s in self.states if s.plan.rank == root)
         self._print(failure_table(self.states, root, headline=(
-            f"tpudist: the job failed; every other process was stopped"
+            "tpudist: the job failed; every other process was stopped"
             + (f" (attempt {self.attempt + 1})" if self.attempt else ""))))
         return rootstate.exit_status()
 
     def close(self) -> None:
         """Takes every agent down (their processes with them) and the control server."""
         self.status.stop()
+        # Shutdown lets an agent end at once; if it is lost on the way, closing its connection (its
+        # stdin) ends the agent just the same, so no need to wait for each one here.
         self._broadcast(pb.LauncherMessage(shutdown=pb.Shutdown()))
-        deadline = time.monotonic() + 1.0
-        while any(a.alive() for a in self.agents.values()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for agent in self.agents.values():
-            agent.close()
-        self.server.close(grace_s=0.2)
+        closers = [threading.Thread(target=a.close, daemon=True) for a in self.agents.values()]
+        for t in closers:
+            t.start()
+        deadline = time.monotonic() + 5.0
+        for t in closers:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.server is not None:
+            self.server.close(grace_s=0.1)
         if self.sink is not None:
             self.sink.close()
 
@@ -269,6 +295,8 @@ class Supervisor:
                     self._note_failure(s)
         elif kind == "message":
             self._on_message(payload)
+        elif kind == "forward":
+            self._broadcast(pb.LauncherMessage(signal=pb.Signal(signum=payload)))
 
     def _on_message(self, msg: pb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")
@@ -293,8 +321,9 @@ class Supervisor:
             self.root = s.plan.rank
 
     def _broadcast(self, msg: pb.LauncherMessage) -> None:
-        for worker in list(self.sessions):
-            self.server.send(worker, msg)
+        if self.server is not None:
+            for worker in list(self.sessions):
+                self.server.send(worker, msg)
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -347,9 +376,30 @@ class Supervisor:
             self.interrupts.append(signum)
             self.events.put(("interrupt", -1, signum))
 
+        def forward(signum, frame) -> None:  # e.g. a checkpoint request for every process
+            self.events.put(("forward", -1, signum))
+
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous.update({s: signal.signal(s, forward) for s in FORWARDED_SIGNALS})
         try:
             yield
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+class _Promise:
+    """A value one thread sets and others wait for (the control server's port)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value = 0
+
+    def set(self, value: int) -> None:
+        self._value = value
+        self._event.set()
+
+    def get(self, timeout_s: float = 30.0) -> int:
+        if not self._event.wait(timeout_s):
+            raise TimeoutError("the control server did not start")
+        return self._value

@@ -8,7 +8,8 @@ line on the agent's stdin, then the gRPC control plane.
 `open_agents` returns one result per worker, an `AgentHandle` or the exception that host raised:
 partial failure is data, and the caller decides (the supervisor closes everything and names the hosts).
 
-    results = open_agents(cluster, ssh_options, bootstrap, python="/usr/bin/python3", fanout=64)
+    results = open_agents(cluster, python="/usr/bin/python3", make_bootstrap=bootstrap,
+                          control_port=lambda: server_port, ssh_options=SshOptions(), fanout=64)
     failed = {w: r for w, r in results.items() if isinstance(r, Exception)}
 """
 
@@ -76,7 +77,7 @@ class LocalAgent(AgentHandle):
     """The agent as a child process of the launcher (--local): same protocol, no SSH."""
 
     def __init__(self, worker: int, host: Host, python: str, make_bootstrap: Callable[[int], bytes],
-                 control_port: int) -> None:
+                 control_port: Callable[[], int]) -> None:
         self.worker, self.host = worker, host
         self._tail = _StderrTail()
         # Its own session: Ctrl-C in the terminal reaches only the launcher, which then stops the job.
@@ -84,7 +85,7 @@ class LocalAgent(AgentHandle):
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._drain, daemon=True).start()
         assert self.proc.stdin is not None
-        self.proc.stdin.write(make_bootstrap(control_port))
+        self.proc.stdin.write(make_bootstrap(control_port()))
         self.proc.stdin.flush()
 
     def _drain(self) -> None:
@@ -114,7 +115,7 @@ class SshAgent(AgentHandle):
     """The agent on a remote host, on an exec channel of that host's single SSH connection."""
 
     def __init__(self, worker: int, host: Host, client, python: str,
-                 make_bootstrap: Callable[[int], bytes], control_port: int, timeout_s: float) -> None:
+                 make_bootstrap: Callable[[int], bytes], control_port: Callable[[], int], timeout_s: float) -> None:
         from tpudist.launch._ssh import forward_control_port
 
         self.worker, self.host, self.client = worker, host, client
@@ -145,7 +146,7 @@ class SshAgent(AgentHandle):
 
 
 def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int, Host, bool], Callable],
-                control_port: int, ssh_options=None, fanout: int = 64,
+                control_port: Callable[[], int], ssh_options=None, fanout: int = 64,
                 on_connected: Callable[[int], None] = lambda w: None,
                 poll: Callable[[], bool] = lambda: False) -> dict[int, AgentHandle | Exception]:
     """Starts one agent per host, at most `fanout` SSH handshakes at once.
@@ -154,7 +155,9 @@ def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int,
     connecting. `on_connected(worker)` is called from a connecting thread.
 
     `make_bootstrap(worker, host, die_with_parent)` returns a function of the control port the agent
-    dials (the forwarded port on that host) giving its bootstrap line.
+    dials (the forwarded port on that host) giving its bootstrap line. `control_port()` returns the
+    launcher's control server port; SSH agents only need it once they dial, so the server may start
+    while the hosts connect.
     """
     if cluster.local:
         host = cluster.hosts[0]

@@ -36,8 +36,9 @@ class XlaFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: XlaCall, *diff_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # no explicit wait: converting an output to torch (here, and `rest` by the caller) waits
+        # for the executable, after which XLA no longer reads the input views
         primal, rest, vjp = call.program.forward_with_vjp(call.diff, call.arrays, call.seed)
-        jax.block_until_ready((primal, rest))
         call.rest = list(rest)
         call.arrays = None  # drop the input views: only the VJP's residuals stay alive
         ctx.vjp, ctx.program = vjp, call.program
@@ -57,5 +58,4 @@ class XlaFunction(torch.autograd.Function):
                                "residuals are freed by the first (retain_graph=True is not supported). "
                                "Run the compiled module again, or sum the losses and call backward once.")
         input_grads = ctx.program.backward(vjp, [to_jax(g) for g in grads])
-        jax.block_until_ready(input_grads)
         return (None, *(to_torch(g, dtype) for g, dtype in zip(input_grads, ctx.input_dtypes)))

@@ -64,3 +64,26 @@ def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
     """
     tensor = torch.from_dlpack(array)
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+class ViewCache:
+    """JAX views of long-lived tensors (parameters, buffers, constants), made once per storage.
+
+    A zero-copy view sees torch's in-place writes (optimizer steps) without being rebuilt, so only
+    a tensor that was replaced or re-pointed (`p.data = ...`) needs a new one; the key (tensor
+    identity, data pointer, shape, strides, dtype) notices both. Copies (narrowed dtypes) are
+    never cached: they would go stale.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[torch.Tensor, tuple, jax.Array]] = {}
+
+    def get(self, slot: int, tensor: torch.Tensor) -> jax.Array:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        cached = self._views.get(slot)
+        if cached is not None and cached[0] is tensor and cached[1] == key:
+            return cached[2]
+        array = to_jax(tensor)
+        if array.unsafe_buffer_pointer() == tensor.data_ptr():
+            self._views[slot] = (tensor, key, array)
+        return array

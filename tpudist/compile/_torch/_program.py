@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from tpudist.compile._torch._autograd import XlaCall, XlaFunction
 from tpudist.compile._torch._capture import Captured
-from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._convert import ViewCache, to_jax, to_torch
 from tpudist.compile._torch._lower import lower
 
 
@@ -29,6 +29,9 @@ class Program:
         self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
         self._resolve = [_resolver(module, slot, captured) for slot in self._slots]
         self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
+        # parameters and buffers the graph only reads cross once, as views (see ViewCache)
+        self._long_lived = [slot.kind in ("param", "buffer", "constant") and not slot.mutated for slot in self._slots]
+        self._views = ViewCache()
         outputs = captured.outputs
         # floating user outputs go through autograd; everything else (ints, buffer updates) does not
         self._float = tuple(i for i, o in enumerate(outputs) if o.kind == "user" and o.dtype is not None
@@ -74,16 +77,17 @@ class Program:
         diff = tuple(i for i, (t, slot) in enumerate(zip(tensors, self._slots))
                      if grad and slot.used and slot.kind in ("param", "input") and t.requires_grad
                      and (t.is_floating_point() or t.is_complex()))
-        arrays = [to_jax(t, copy=slot.mutated) for t, slot in zip(tensors, self._slots)]
+        arrays = [self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
+                  for i, (t, slot) in enumerate(zip(tensors, self._slots))]
         seed = _seed() if self.captured.has_random else np.uint32(0)
         outputs: list[Any] = [None] * len(self.captured.outputs)
-        if diff:
+        if diff and self._float:
             call = XlaCall(self, arrays, diff, seed)
             floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
             rest = call.rest
         else:
-            results = jax.block_until_ready(self._forward(arrays, seed))
-            del arrays
+            # converting an output to torch waits for it; by then XLA is done reading the inputs
+            results = self._forward(arrays, seed)
             floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
             rest = [results[i] for i in self._rest]
         for i, value in zip(self._float, floats):

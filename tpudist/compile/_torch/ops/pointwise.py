@@ -90,7 +90,7 @@ def _unary(op, fn):
 
 
 for _op, _fn in [
-    (aten.neg.default, jnp.negative), (aten.abs.default, jnp.abs), (aten.sign.default, jnp.sign),
+    (aten.neg.default, jnp.negative), (aten.sign.default, jnp.sign),
     (aten.exp.default, jnp.exp), (aten.exp2.default, jnp.exp2), (aten.expm1.default, jnp.expm1),
     (aten.log.default, jnp.log), (aten.log2.default, jnp.log2), (aten.log10.default, jnp.log10),
     (aten.log1p.default, jnp.log1p), (aten.sqrt.default, jnp.sqrt), (aten.rsqrt.default, lax.rsqrt),
@@ -109,6 +109,12 @@ for _op, _fn in [
     (aten.detach.default, lax.stop_gradient), (STOP_GRADIENT, lax.stop_gradient),
 ]:
     _unary(_op, _fn)
+
+
+@register(aten.abs.default)
+def abs_(x):
+    # x * sign(x): the same values, and torch's gradient at 0 (zero; jnp.abs passes one)
+    return x * jnp.sign(x)
 
 
 def _compare(op, fn):
