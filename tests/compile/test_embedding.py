@@ -18,12 +18,13 @@ MULTI = (11, 6, 9)
 # (mesh axes, algorithm, tables, combiner): every algorithm on the 2x2 mesh, bags on the 1x4 mesh
 # where shards are small, and the degenerate single-shard axis (4x1).
 CASES = (
-    [({"data": 2, "model": 2}, algo, tables, combiner)
-     for algo in ("psum", "psum_scatter", "all_to_all")
-     for tables, combiner in ((SINGLE, None), (MULTI, "mean"))]
+    [({"data": 2, "model": 2}, "psum", SINGLE, None),
+     ({"data": 2, "model": 2}, "psum", MULTI, "mean"),
+     ({"data": 2, "model": 2}, "psum_scatter", MULTI, None),
+     ({"data": 2, "model": 2}, "all_to_all", MULTI, "mean")]
     + [({"data": 1, "model": 4}, "psum", MULTI, "sum"),
        ({"data": 1, "model": 4}, "all_to_all", MULTI, "sum"),
-       ({"data": 1, "model": 4}, "auto", SINGLE, "mean"),
+       ({"data": 1, "model": 4}, "auto", SINGLE, "mean"),  # auto -> psum_scatter on 4 devices
        ({"data": 4, "model": 1}, "auto", MULTI, None)]
 )
 

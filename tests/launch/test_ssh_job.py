@@ -44,23 +44,17 @@ def _cmdline(pid: int) -> bytes:
 
 
 PSUM = textwrap.dedent("""
-    import os, sys
+    import os
     import numpy as np
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    jax.distributed.initialize(os.environ["TPUDIST_COORDINATOR"], num_processes=world, process_id=rank,
-                               initialization_timeout=120)
-    assert jax.process_count() == world and jax.process_index() == rank
-    mesh = Mesh(np.array(jax.devices()), ("p",))
-    local = (rank + 1.0) * np.arange(1, 4, dtype=np.float32)[None, :]
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), local)
-    psum = jax.shard_map(lambda a: jax.lax.psum(a, "p"), mesh=mesh, in_specs=P("p"), out_specs=P())
-    total = np.asarray(jax.jit(psum)(x).addressable_data(0)).ravel()
+    import torch
+    import tpudist
+    job = tpudist.init()
+    rank = tpudist.process_index()
+    assert (rank, tpudist.process_count()) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) == (job.rank, 8)
+    total = tpudist.all_reduce(torch.arange(1, 4, dtype=torch.float32) * (rank + 1.0))
+    gathered = tpudist.all_gather(np.array([rank], np.int64))
+    assert gathered.tolist() == list(range(8)), gathered
     print("PSUM", rank, os.environ["TPUDIST_HOST"], " ".join(repr(float(v)) for v in total), flush=True)
-    jax.distributed.shutdown()
 """)
 
 

@@ -184,7 +184,7 @@ class ShardedEmbedding:
         dims = "..." + ("" if self.single else ", T") + (", L" if self.combiner else "")
         return f"({dims})"
 
-    def _to_core(self, ids: jax.Array, trailing: int) -> jax.Array:
+    def _to_core(self, ids: jax.Array) -> jax.Array:
         """Local ids -> (n, T, L)."""
         tables = len(self.layout.sizes)
         bag = ids.shape[-1] if self.combiner else 1
@@ -199,15 +199,17 @@ class ShardedEmbedding:
             raise ValueError(f"inside a per-device step the table is this device's block of shape "
                              f"{(self.layout.block_rows, self.features)}, got {tuple(block.shape)}; "
                              f"pass the table with in_spec P({self.axis!r})")
-        if self.axis in _varying_axes(ids):
-            algorithm = "psum" if self.algorithm == "psum" else (
-                "all_to_all" if self.algorithm == "all_to_all" else "psum_scatter")
-            if algorithm == "psum":
-                raise ValueError(f"algorithm='psum' needs the same ids on every device of axis "
-                                 f"{self.axis!r}, but these ids vary over it")
-        else:
+        # JAX types each value with the manual axes it varies over (shard_map's check_vma, on in
+        # tpudist.compile(per_device=True)): the same ids on every device of the axis need only
+        # a psum; different ids need the algorithms that exchange them.
+        if self.axis not in _varying_axes(ids):
             algorithm = "psum"
-        out = _lookup.per_device(algorithm, block, self._to_core(ids, trailing), self.layout,
+        elif self.algorithm == "psum":
+            raise ValueError(f"algorithm='psum' needs the same ids on every device of axis "
+                             f"{self.axis!r}, but these ids vary over it")
+        else:
+            algorithm = "all_to_all" if self.algorithm == "all_to_all" else "psum_scatter"
+        out = _lookup.per_device(algorithm, block, self._to_core(ids), self.layout,
                                  self.axis, self.combiner)
         return self._from_core(out, ids, trailing)
 
@@ -234,7 +236,7 @@ class ShardedEmbedding:
         out_spec = P(split, *([None] * (out_ndim - 1))) if batch is not None else P()
 
         def body(block: jax.Array, local_ids: jax.Array) -> jax.Array:
-            out = _lookup.per_device(algorithm, block, self._to_core(local_ids, trailing), self.layout,
+            out = _lookup.per_device(algorithm, block, self._to_core(local_ids), self.layout,
                                      self.axis, self.combiner)
             return self._from_core(out, local_ids, trailing)
 

@@ -42,6 +42,9 @@ def build_parser(prog: str = "python -m tpudist.xla_dist") -> argparse.ArgumentP
     cluster.add_argument("--tpu", metavar="NAME", help="a Cloud TPU VM slice by name")
     where.add_argument("--zone", help="the TPU's zone (default: gcloud's or the metadata server's)")
     where.add_argument("--project", help="the TPU's project (default: gcloud's or the metadata server's)")
+    where.add_argument("--internal-ip", action="store_true",
+                       help="connect to the TPU workers' internal IPs (default: external, like "
+                            "`gcloud compute tpus tpu-vm ssh`)")
 
     procs = p.add_argument_group("processes")
     procs.add_argument("--nproc-per-host", type=int, metavar="N",

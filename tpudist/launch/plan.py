@@ -91,9 +91,14 @@ def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -
     return host.internal_ip or ssh_config_hostname or host.address
 
 
+_LIBTPU_PORTS = (8476, 8476 + 64)
+
+
 def choose_ports(args: argparse.Namespace, probed: list[int]) -> Ports:
     """--coordinator-port/--master-port, else ports probed free on rank 0's host."""
-    probed = [p for p in probed if p not in (args.coordinator_port, args.master_port)]
+    # libtpu serves 8476 + local rank on every worker (TPU_PROCESS_PORT): never hand those out.
+    probed = [p for p in probed if p not in (args.coordinator_port, args.master_port)
+              and not _LIBTPU_PORTS[0] <= p < _LIBTPU_PORTS[1]]
     coordinator = args.coordinator_port or probed.pop(0)
     master = args.master_port or probed.pop(0)
     return Ports(coordinator, master)
