@@ -1,11 +1,12 @@
-"""A tour of tpudist's eager collectives on a local CPU mesh: 4 processes x 2 XLA devices each.
+"""A tour of tpudist's eager collectives, run by the launcher on every process of a job:
 
-    python examples/collectives_demo.py [--nprocs 4] [--cpu-devices 2]
+    python -m tpudist.xla_dist --local --nproc-per-host 4 --cpu-devices 2 -- python examples/collectives_demo.py
+
+Run on its own it is a one-process job.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 import tpudist
 
 
-def tour(index: int) -> list[str]:
+def tour() -> list[str]:
     import jax
     rank, n = tpudist.process_index(), tpudist.process_count()
     lines = [f"rank {rank}/{n}: {len(jax.local_devices())} local devices, {len(jax.devices())} in the job"]
@@ -39,15 +40,13 @@ def tour(index: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, default=4)
-    parser.add_argument("--cpu-devices", type=int, default=2)
-    args = parser.parse_args()
     start = time.perf_counter()
-    results = tpudist.spawn(tour, nprocs=args.nprocs, cpu_devices=args.cpu_devices, timeout=600)
-    for lines in results:
-        print("\n  ".join(lines))
-    print(f"{args.nprocs} processes x {args.cpu_devices} devices: done in {time.perf_counter() - start:.1f} s")
+    tpudist.init()
+    lines = tour()
+    print("\n  ".join(lines), flush=True)
+    if tpudist.process_index() == 0:
+        print(f"{tpudist.process_count()} processes x {len(tpudist.local_devices())} devices: "
+              f"done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

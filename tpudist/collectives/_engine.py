@@ -107,7 +107,8 @@ class Engine:
         self.seq = 0
         self.stats = {"compiles": 0, "calls": 0, "compile_seconds": 0.0}
         self._cache: dict[Any, Any] = {}
-        self._meshes: dict[Any, tuple[Mesh, tuple[int, int]]] = {}
+        self._meshes: dict[Any, Mesh] = {}
+        self._shardings: dict[Any, NamedSharding] = {}
         self._lock = threading.Lock()
         self._broken: str | None = None
 
@@ -123,7 +124,7 @@ class Engine:
             seq = self.seq
             limit = self.timeout
             deadline = time.monotonic() + limit
-            mesh, (gi, si) = self._mesh(groups)
+            mesh = self._mesh(groups)
             key = (op.name, op.params, groups, tuple((b.shape, b.dtype) for b in blocks))
             compiled = self._cache.get(key)
             if compiled is None:
@@ -131,7 +132,7 @@ class Engine:
                     self._check_peers(seq, op, groups, blocks, deadline, limit)
                 compiled = self._compile(op, mesh, blocks)
                 self._cache[key] = compiled
-            sharding = NamedSharding(mesh, _SPEC)
+            sharding = self._shardings[groups]
             global_shape = (len(groups), len(groups[0]))
             inputs = [jax.make_array_from_single_device_arrays(global_shape + b.shape[2:], sharding, [b])
                       for b in blocks]
@@ -153,12 +154,12 @@ class Engine:
 
     # -- pieces ---------------------------------------------------------------------------------
 
-    def _mesh(self, groups: tuple[tuple[int, ...], ...]) -> tuple[Mesh, tuple[int, int]]:
+    def _mesh(self, groups: tuple[tuple[int, ...], ...]) -> Mesh:
         found = self._meshes.get(groups)
         if found is None:
             devices = np.array([[self.process_devices[r] for r in g] for g in groups])
-            where = next((gi, si) for gi, g in enumerate(groups) for si, r in enumerate(g) if r == self.rank)
-            found = self._meshes[groups] = (Mesh(devices, (GROUP, SLOT)), where)
+            found = self._meshes[groups] = Mesh(devices, (GROUP, SLOT))
+            self._shardings[groups] = NamedSharding(found, _SPEC)
         return found
 
     def _compile(self, op: Op, mesh: Mesh, blocks: list[jax.Array]) -> Any:

@@ -61,9 +61,8 @@ class ShardedEmbedding:
 
     `algorithm` picks the lookup ("psum", "psum_scatter", "all_to_all", or "auto"): see
     docs/mesh_and_compile.md for what each moves and the measured trade-off. "auto" uses
-    "psum_scatter" when `axis` has more than 2 devices and the batch (the first dim of ids) splits
-    over every mesh axis, else "psum". An algorithm that needs the batch split falls back to
-    "psum" when it does not divide.
+    "psum_scatter" when the batch (the first dim of ids) splits over every device, else "psum";
+    an algorithm that needs the batch split falls back to "psum" when it does not divide.
     Example::
 
         emb = tpudist.ShardedEmbedding([1000, 50, 7], 16, mesh=mesh, axis="model")
@@ -220,9 +219,10 @@ class ShardedEmbedding:
         shards = self.layout.shards
         if batch is None:
             return "psum", ()
-        # "auto": one all-reduce is cheapest on a 2-device axis; from 4 devices on, the
-        # reduce-scatter's half-sized transfer and the split output win (scripts/bench_embedding.py).
-        wants_split = shards > (2 if self.algorithm == "auto" else 1) and self.algorithm != "psum"
+        # "auto" picks by bytes: a reduce-scatter moves half of what an all-reduce does and leaves
+        # the rest of the step split over every device. On CPU the two measure within noise of
+        # each other (scripts/bench_embedding.py), so nothing overrules that.
+        wants_split = shards > 1 and self.algorithm != "psum"
         if wants_split and batch % (data * shards) == 0:
             return ("psum_scatter" if self.algorithm == "auto" else self.algorithm), others + (self.axis,)
         return "psum", (others if batch % data == 0 else ())

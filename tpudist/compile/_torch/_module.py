@@ -49,31 +49,39 @@ class CompiledModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
-        self.stats = TorchCompileStats()
+        self._stats = TorchCompileStats()
         self._programs: dict[Any, Program] = {}
         self._submodules = list(module.modules())
 
+    @property
+    def stats(self) -> TorchCompileStats:
+        """This module's counters (see TorchCompileStats)."""
+        self._stats.executables = sum(p.executables() for p in self._programs.values())
+        return self._stats
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.stats.calls += 1
+        stats = self._stats
+        stats.calls += 1
         leaves, spec = tree_flatten((args, kwargs))
         key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(leaf) for leaf in leaves))
         program = self._programs.get(key)
         if program is None:
             captured = capture(self.module, args, kwargs)
             program = self._programs[key] = Program(self.module, captured)
-            self.stats.compiles += 1
-            self.stats.capture_seconds += captured.seconds
+            stats.compiles += 1
+            stats.capture_seconds += captured.seconds
         else:
-            self.stats.cache_hits += 1
-        result = program(leaves)
-        self.stats.executables = sum(p.executables() for p in self._programs.values())
-        return result
+            stats.cache_hits += 1
+        return program(leaves)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            wrapped = self.__dict__.get("_modules", {}).get("module")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
 
     def __repr__(self) -> str:
         return f"CompiledModule({self.module!r})"

@@ -66,8 +66,9 @@ class Program:
         return self._backward(vjp, cotangents)
 
     def executables(self) -> int:
-        """How many XLA executables this program has compiled so far."""
-        return sum(f._cache_size() for f in (self._forward, self._forward_with_vjp, self._backward))
+        """How many XLA executables this program has compiled so far (0 where JAX cannot say)."""
+        jitted = (self._forward, self._forward_with_vjp, self._backward)
+        return sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted)
 
     # -- one call ------------------------------------------------------------------------------
 
