@@ -9,6 +9,10 @@ busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JS
 
 Size is the full buffer, as in nccl-tests: all_reduce's input, all_gather's output,
 reduce_scatter's input. busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others.
+
+The "xla" column is a diagnostic: the same collective as a bare pre-compiled XLA executable on
+arrays already on the device (no conversion, no checks), i.e. the floor of XLA's gloo collectives;
+tpudist minus xla is tpudist's own overhead.
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ def _iters(nbytes: int, budget: float) -> int:
     return int(min(500, max(3, budget / guess)))
 
 
+def _bare_xla(name: str, part_elems: int, n: int):
+    """A pre-compiled XLA collective on pre-placed arrays: the floor under tpudist's call."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tpudist.collectives._engine import engine
+
+    eng = engine()
+    mesh = Mesh(np.array(eng.process_devices).reshape(1, n), ("g", "s"))
+    spec = P("g", "s")
+    body = {"all_reduce": lambda v: jax.lax.psum(v, "s"),
+            "all_gather": lambda v: jax.lax.all_gather(v, "s", axis=2, tiled=True),
+            "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "s", scatter_dimension=2, tiled=True)}[name]
+    elems = part_elems if name == "all_gather" else part_elems * n
+    local = jax.device_put(np.ones((1, 1, elems), np.float32), eng.device)
+    x = jax.make_array_from_single_device_arrays((1, n, elems), NamedSharding(mesh, spec), [local])
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x).compile()
+    return lambda: compiled(x).block_until_ready()
+
+
 def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
     import torch
     import torch.distributed as dist
@@ -70,14 +95,17 @@ def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
                                        lambda: dist.reduce_scatter_tensor(out_part, full)),
                 }
                 mine, gloo = ops[name]
+                bare = _bare_xla(name, elems // n, n)
                 iters = _iters(elems * 4, budget)
                 row = {"collective": name, "procs": n, "bytes": elems * 4, "iters": iters}
-                # Interleave repetitions so both see the same machine load.
-                times: dict[str, list[float]] = {"tpudist": [], "gloo": []}
+                # Interleave repetitions so all three see the same machine load.
+                runs = (("tpudist", mine), ("gloo", gloo), ("xla", bare))
+                times: dict[str, list[float]] = {label: [] for label, _ in runs}
                 for _ in range(2):
-                    mine(); gloo()
+                    for _, fn in runs:
+                        fn()
                 for rep in range(3):
-                    for label, fn in (("tpudist", mine), ("gloo", gloo)):
+                    for label, fn in runs:
                         dist.barrier()
                         start = time.perf_counter()
                         for _ in range(iters):
@@ -116,7 +144,7 @@ def main() -> None:
     for n in args.procs:
         rows += tpudist.spawn(measure, args=(byte_sizes, args.budget), nprocs=n, cpu_devices=1, timeout=3600)[0]
     print(f"{'collective':15} {'procs':>5} {'size':>10} {'tpudist ms':>11} {'gloo ms':>9} {'ratio':>6} "
-          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo busbw':>10}")
+          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo busbw':>10} {'xla ms':>8}")
     for r in rows:
         r["ratio"] = r["tpudist_s"] / r["gloo_s"]
         r["algbw_GBps"] = r["bytes"] / r["tpudist_s"] / 1e9
@@ -124,7 +152,7 @@ def main() -> None:
         r["gloo_busbw_GBps"] = r["bytes"] / r["gloo_s"] / 1e9 * bus_factor(r["collective"], r["procs"])
         print(f"{r['collective']:15} {r['procs']:>5} {human(r['bytes']):>10} {r['tpudist_s'] * 1e3:>11.3f} "
               f"{r['gloo_s'] * 1e3:>9.3f} {r['ratio']:>6.2f} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f} "
-              f"{r['gloo_busbw_GBps']:>10.3f}")
+              f"{r['gloo_busbw_GBps']:>10.3f} {r['xla_s'] * 1e3:>8.3f}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)

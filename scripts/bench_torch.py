@@ -7,7 +7,8 @@ tpudist's torch -> XLA bridge vs eager torch, side by side in one run, on this m
 A step is `zero_grad(); loss = model_with_loss(*inputs, target); loss.backward()` for both sides
 (the optimizer update is the same torch code for both and is left out). Each side runs warm-up
 steps (the compiled side compiles in the first), then `--repeats` timed runs of `--steps` steps;
-the best run is reported, since on a shared machine noise only ever adds time.
+the best run is reported, since on a shared machine noise only ever adds time, and the two
+sides alternate run by run so that load from other processes hits both alike.
 Prints a table, then the JSON (also written to --json when given).
 """
 
@@ -32,14 +33,16 @@ import tpudist  # noqa: E402
 from torch_models import REFERENCES, WithLoss  # noqa: E402
 
 
-def _time_steps(step: Callable[[], None], steps: int, repeats: int) -> float:
-    """Best mean seconds per step over `repeats` runs of `steps` steps."""
-    best = float("inf")
+def _time_interleaved(steps_by_side: dict[str, Callable[[], None]], steps: int, repeats: int) -> dict[str, float]:
+    """Best mean seconds per step of each side over `repeats` runs of `steps` steps. The sides
+    alternate run by run, so a burst of load from other processes hits both alike."""
+    best = {side: float("inf") for side in steps_by_side}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - start) / steps)
+        for side, step in steps_by_side.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            best[side] = min(best[side], (time.perf_counter() - start) / steps)
     return best
 
 
@@ -68,8 +71,8 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int) ->
     for _ in range(warmup):
         eager_step()
         compiled_step()
-    eager_s = _time_steps(eager_step, steps, repeats)
-    compiled_s = _time_steps(compiled_step, steps, repeats)
+    times = _time_interleaved({"eager": eager_step, "compiled": compiled_step}, steps, repeats)
+    eager_s, compiled_s = times["eager"], times["compiled"]
     assert compiled.stats.compiles == 1, compiled.stats
     return {
         "model": name, "batch": batch,
@@ -106,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(REFERENCES), choices=sorted(REFERENCES))
     parser.add_argument("--batches", nargs="+", type=int, default=[64, 256])
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best is kept")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=6, help="timed runs per side; the best is kept")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
+    load_before = list(os.getloadavg())
     rows = []
     for name in args.models:
         for batch in args.batches:
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
-                    "load_average": list(os.getloadavg())},
+                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
         "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup},
         "rows": rows,
         "fused_data_parallel": bench_fused_data_parallel(args),

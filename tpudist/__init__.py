@@ -41,8 +41,8 @@ _EXPORTS = {
     "CollectiveError": "tpudist.collectives",
     "CollectiveTimeout": "tpudist.collectives",
     # compiled steps
-    "compile": "tpudist.compile",
     "compile_stats": "tpudist.compile",
+    "CompileStats": "tpudist.compile",
     "ShardedEmbedding": "tpudist.compile",
     "optimizer_step": "tpudist.compile",
     "compile_train_step": "tpudist.compile",
@@ -50,6 +50,7 @@ _EXPORTS = {
 }
 _SUBMODULES = ("mesh", "collectives", "compile", "launch", "testing", "nn", "contract")
 
+# `compile` is the subpackage tpudist.compile, which is callable: tpudist.compile(fn, mesh=...).
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 
 

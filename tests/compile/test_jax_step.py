@@ -48,7 +48,6 @@ def _start():
 
 def _head(mlp, dense, vectors):
     import jax
-    import jax.numpy as jnp
     hidden = jax.nn.relu(dense @ mlp["w_dense"] + vectors.reshape(vectors.shape[0], -1) @ mlp["w_emb"])
     return (hidden @ mlp["w_out"])[:, 0]
 

@@ -133,9 +133,7 @@ class Engine:
                 compiled = self._compile(op, mesh, blocks)
                 self._cache[key] = compiled
             sharding = self._shardings[groups]
-            global_shape = (len(groups), len(groups[0]))
-            inputs = [jax.make_array_from_single_device_arrays(global_shape + b.shape[2:], sharding, [b])
-                      for b in blocks]
+            inputs = [_global_array(sharding, groups, b) for b in blocks]
             self.stats["calls"] += 1
             start = time.monotonic()
             try:
@@ -253,6 +251,23 @@ class Engine:
                 missing = [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
                 raise self._timeout_error(seq, Op("barrier", (), lambda b, s: b), missing,
                                           "at the barrier", limit) from None
+
+
+def _global_array(sharding: NamedSharding, groups: tuple[tuple[int, ...], ...], block: jax.Array) -> jax.Array:
+    """The (groups, slots, *shape) global array of which `block` is this process's only shard.
+
+    Built directly (a few microseconds) rather than through
+    jax.make_array_from_single_device_arrays (~50 us of checks that hold by construction here);
+    the public call remains the fallback.
+    """
+    shape = (len(groups), len(groups[0])) + block.shape[2:]
+    try:
+        from jax._src import array as jax_array
+        from jax._src import core
+        return jax_array.ArrayImpl(core.ShapedArray(shape, block.dtype), sharding, [block],
+                                   committed=True, _skip_checks=True)
+    except Exception:  # noqa: BLE001 - private API moved: take the public path
+        return jax.make_array_from_single_device_arrays(shape, sharding, [block])
 
 
 def _show(value: Any) -> str:

@@ -4,6 +4,8 @@ the persistent compilation cache, and PyTorch training helpers."""
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -25,3 +27,16 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'tpudist.compile' has no attribute {name!r}")
+
+
+class _CallableModule(types.ModuleType):
+    """`tpudist.compile` is both this subpackage and the function: importing any
+    `tpudist.compile.*` module binds the attribute `tpudist.compile` to the module, so the module
+    itself is callable and forwards to `compile`."""
+
+    def __call__(self, fn: Any, **kwargs: Any) -> Any:
+        from tpudist.compile._dispatch import compile as compile_
+        return compile_(fn, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

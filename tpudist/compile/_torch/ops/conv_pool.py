@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
+import itertools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tpudist.compile._torch._registry import register
@@ -66,8 +69,9 @@ def _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
 
 
 def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
+    """(values, indices): indices are flat positions within each input plane, as torch reports."""
     window, strides, pads, dil, _ = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode, nd)
-    # a Python scalar init lets JAX recognize the max monoid, which it knows how to differentiate
+    # a Python scalar init lets JAX recognize the max monoid
     lowest = -float("inf") if jnp.issubdtype(x.dtype, jnp.floating) else int(jnp.iinfo(x.dtype).min)
     plane = x.shape[x.ndim - nd:]
     flat = jnp.broadcast_to(jnp.arange(int(np.prod(plane)), dtype=jnp.int32).reshape(plane), x.shape)
@@ -78,15 +82,46 @@ def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
 
     _, indices = lax.reduce_window((lax.stop_gradient(x), flat), (jnp.asarray(lowest, x.dtype), jnp.int32(2**31 - 1)),
                                    first_max, window, strides, pads, window_dilation=dil)
-    if all(v == 1 for v in dil):
-        values = lax.reduce_window(x, lowest, lax.max, window, strides, pads)
-    else:
-        # JAX has no gradient for dilated max windows; reading the values at the indices gives
-        # the gradient torch computes (all of it to the chosen element)
-        lead = x.shape[:x.ndim - nd]
-        values = jnp.take_along_axis(x.reshape(lead + (-1,)), indices.reshape(lead + (-1,)), axis=-1)
-        values = values.reshape(indices.shape)
-    return values, indices
+    geometry = (window[-nd:], strides[-nd:], [p[0] for p in pads[-nd:]], dil[-nd:])
+
+    @jax.custom_vjp
+    def pooled(x, indices):
+        return lax.reduce_window(x, lowest, lax.max, window, strides, pads, window_dilation=dil)
+
+    def forward(x, indices):
+        return pooled(x, indices), indices
+
+    def backward(indices, grad):
+        return _to_argmax(grad, indices, x.shape, *geometry), None
+
+    pooled.defvjp(forward, backward)
+    return pooled(x, indices), indices
+
+
+def _to_argmax(grad, indices, shape, kernel, strides, pads, dilation):
+    """The max-pool gradient: each output's gradient goes to its argmax input position, as torch's.
+
+    XLA's own rule (select-and-scatter) is slow on CPU and has no form for dilated windows; this
+    one is k*k elementwise passes: for each window offset, the outputs whose argmax sits at that
+    offset, placed onto the input grid with a strided (interior) pad.
+    """
+    nd = len(kernel)
+    lead, plane = len(shape) - nd, shape[len(shape) - nd:]
+    outs = grad.shape[lead:]
+    total = jnp.zeros(shape, grad.dtype)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        starts = [o * d - p for o, d, p in zip(offset, dilation, pads)]
+        position = jnp.zeros(outs, jnp.int32)
+        inside = jnp.ones(outs, bool)
+        for i in range(nd):
+            coord = (jnp.arange(outs[i]) * strides[i] + starts[i]).reshape((-1,) + (1,) * (nd - 1 - i))
+            position = position * plane[i] + coord
+            inside = inside & (coord >= 0) & (coord < plane[i])
+        part = jnp.where((indices == position) & inside, grad, 0)
+        config = [(0, 0, 0)] * lead + [(starts[i], plane[i] - starts[i] - (outs[i] - 1) * strides[i] - 1, strides[i] - 1)
+                                       for i in range(nd)]
+        total = total + lax.pad(part, jnp.zeros((), grad.dtype), config)
+    return total
 
 
 @register(aten.max_pool2d_with_indices.default)
