@@ -38,11 +38,8 @@ def _parse_bytes(text: str) -> int:
 
 
 def sizes(max_bytes: int) -> list[int]:
-    out, s = [], 4
-    while s <= max_bytes:
-        out.append(s)
-        s *= 4 if s < 4096 else 8 if s < (1 << 20) else 4
-    return out
+    ladder = [4, 64, 1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    return [s for s in ladder if s <= max_bytes]
 
 
 def _iters(nbytes: int, budget: float) -> int:
@@ -65,7 +62,7 @@ def _bare_xla(name: str, part_elems: int, n: int):
     body = {"all_reduce": lambda v: jax.lax.psum(v, "s"),
             "all_gather": lambda v: jax.lax.all_gather(v, "s", axis=2, tiled=True),
             "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "s", scatter_dimension=2, tiled=True)}[name]
-    elems = part_elems if name == "all_gather" else part_elems * n
+    elems = part_elems * n if name == "reduce_scatter" else part_elems
     local = jax.device_put(np.ones((1, 1, elems), np.float32), eng.device)
     x = jax.make_array_from_single_device_arrays((1, n, elems), NamedSharding(mesh, spec), [local])
     compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x).compile()
@@ -82,20 +79,21 @@ def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
     try:
         for name in COLLECTIVES:
             for nbytes in byte_sizes:
-                elems = max(n, nbytes // 4) // n * n  # divisible by n for gather/scatter
+                # all_gather / reduce_scatter need a multiple of n elements; all_reduce takes any.
+                elems = max(1, nbytes // 4) if name == "all_reduce" else max(n, nbytes // 4) // n * n
                 full = torch.rand(elems)
-                part = full[: elems // n].clone()
-                out_full = torch.empty(elems)
-                out_part = torch.empty(elems // n)
+                part = full[: max(1, elems // n)].clone()
+                out_full = torch.empty(part.numel() * n)
+                out_part = torch.empty(max(1, elems // n))
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
                 ops = {
                     "all_reduce": (lambda: tpudist.all_reduce(full), lambda: dist.all_reduce(full)),
-                    "all_gather": (lambda: tpudist.all_gather(part),
-                                   lambda: dist.all_gather_into_tensor(out_full, part)),
-                    "reduce_scatter": (lambda: tpudist.reduce_scatter(full),
-                                       lambda: dist.reduce_scatter_tensor(out_part, full)),
+                    "all_gather": (lambda: tpudist.all_gather(part), lambda: gather(out_full, part)),
+                    "reduce_scatter": (lambda: tpudist.reduce_scatter(full), lambda: scatter(out_part, full)),
                 }
                 mine, gloo = ops[name]
-                bare = _bare_xla(name, elems // n, n)
+                bare = _bare_xla(name, elems if name == "all_reduce" else elems // n, n)
                 iters = _iters(elems * 4, budget)
                 row = {"collective": name, "procs": n, "bytes": elems * 4, "iters": iters}
                 # Interleave repetitions so all three see the same machine load.

@@ -109,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(REFERENCES), choices=sorted(REFERENCES))
     parser.add_argument("--batches", nargs="+", type=int, default=[64, 256])
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
-    parser.add_argument("--repeats", type=int, default=6, help="timed runs per side; the best is kept")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per side; the best is kept")
+    parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the eager side "
+                        "(default: torch's own choice; with other processes on the cores, fewer threads can be faster)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     load_before = list(os.getloadavg())
     rows = []
     for name in args.models:

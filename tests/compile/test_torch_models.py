@@ -21,7 +21,7 @@ import tpudist
 # the public entry point, resolved through tpudist's lazy exports before any tpudist.compile
 # submodule is imported: importing one first would bind the name tpudist.compile to the package
 tpudist_compile = tpudist.compile
-from tpudist.compile._torch import UnsupportedOpError, supported_ops
+from tpudist.compile._torch import CaptureError, UnsupportedOpError, supported_ops
 
 
 def _load_reference_models():
@@ -147,6 +147,18 @@ def test_unsupported_op_names_the_op_and_the_module_path():
     assert "module '1.1' (Bessel)" in message
     assert "supported_torch_ops()" in message
     assert "aten.special_bessel_j0.default" not in supported_ops()
+
+
+def test_untraceable_forward_and_unknown_options_are_clear_errors():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x  # Python control flow on a tensor's value
+
+    with pytest.raises(CaptureError, match="DataDependent.forward") as info:
+        tpudist_compile(DataDependent())(torch.randn(3))
+    assert isinstance(info.value, TypeError)
+    with pytest.raises(TypeError, match="takes no options"):
+        tpudist_compile(torch.nn.Linear(2, 2), mesh="data")
 
 
 def test_accumulation_unused_parameters_input_gradients_and_stale_backward():

@@ -1,0 +1,238 @@
+"""Data-parallel PyTorch training across processes: `optimizer_step` and `fit`.
+
+    for x, y in loader:                       # each process: its own part of the global batch
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        tpudist.optimizer_step(opt)           # mean of every grad over processes, then opt.step()
+
+    history = tpudist.fit(model, loader, opt, torch.nn.functional.cross_entropy, epochs=3)
+
+Both run the model in eager torch today. `fit` takes its per-batch step as `step_fn`, the seam
+where the fused compiled step (forward, backward, in-graph all-reduce, update in one XLA
+executable) plugs in.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+import tpudist
+from tpudist.collectives import all_gather, all_reduce
+from tpudist.nn import SHARDED_ATTR
+
+__all__ = ["optimizer_step", "fit", "compile_train_step", "eager_step"]
+
+StepFn = Callable[[Any], torch.Tensor]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[int]] | None = None,
+                   optimizer_args: dict[str, Any] | None = None) -> Any:
+    """Averages every parameter's `.grad` over the processes, then calls `optimizer.step()`.
+
+    Like torch_xla's `xm.optimizer_step`: call it on every process after `loss.backward()`. All
+    gradients travel in one collective per dtype (coalesced), and the means are written back into
+    `.grad` in place. Parameters whose `.grad` is None are skipped; every process must have grads
+    for the same parameters (the collective's signature check reports a mismatch). With `groups`
+    (e.g. [[0, 1], [2, 3]]) each group averages on its own.
+
+    Parameters of `tpudist.nn.ShardedEmbedding` hold one process's rows, and their backward already
+    summed the gradient over processes; they are not all-reduced but divided by the process count,
+    so every parameter sees the gradient of the mean of the processes' losses. Returns what
+    `optimizer.step()` returns. Example::
+
+        loss_fn(model(x_local), y_local).backward()
+        tpudist.optimizer_step(opt)
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_step takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    replicated, sharded = [], []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (sharded if getattr(p, SHARDED_ATTR, False) else replicated).append(p)
+    if sharded and groups is not None:
+        raise ValueError("optimizer_step(groups=...) cannot be combined with ShardedEmbedding parameters: "
+                         "their rows are split over all processes, not per group; drop groups=")
+    if any(p.grad.is_sparse for p in replicated):
+        raise TypeError("optimizer_step averages dense gradients; a parameter has a sparse .grad "
+                        "(nn.Embedding(sparse=True)?): use sparse=False or tpudist.nn.ShardedEmbedding")
+    if replicated:
+        means = [p.grad for p in replicated]
+        with torch.no_grad():
+            for p, mean in zip(replicated, means):
+                p.grad.copy_(mean)
+    if sharded:
+        count = tpudist.process_count()
+        with torch.no_grad():
+            for p in sharded:
+                p.grad.div_(count)
+    return optimizer.step(**(optimizer_args or {}))
+
+
+def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                       optimizer: torch.optim.Optimizer, **options: Any) -> StepFn:
+    """The fused data-parallel step (forward, backward, in-graph gradient all-reduce and the
+    optimizer update in one XLA executable). Not built yet: use `eager_step`, which `fit` uses."""
+    raise NotImplementedError("tpudist.compile_train_step is not available yet; use tpudist.fit (eager "
+                              "step) or tpudist.compile(model) with tpudist.optimizer_step")
+
+
+def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+               optimizer: torch.optim.Optimizer) -> StepFn:
+    """`fit`'s default step: eager forward and backward, then `optimizer_step`.
+
+    The returned function takes one batch, a tuple or list `(*inputs, target)`, runs
+    `loss_fn(model(*inputs), target)`, and returns this process's loss (detached). Example::
+
+        step = eager_step(model, torch.nn.functional.mse_loss, opt)
+        loss = step((x, y))
+    """
+    def step(batch: Any) -> torch.Tensor:
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise TypeError(f"rank {tpudist.process_index()}: fit's default step takes batches (*inputs, "
+                            f"target), got {type(batch).__name__}"
+                            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                            + "; pass step_fn= for other batch layouts")
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
+        loss.backward()
+        optimizer_step(optimizer)
+        return loss.detach()
+    return step
+
+
+def _my_batches(loader: Iterable[Any], rank: int, count: int) -> Iterator[Any]:
+    """Batch i goes to process i % count; a last round with fewer than `count` batches is dropped
+    so that every process runs the same number of steps (their collectives must line up)."""
+    mine = None
+    for i, batch in enumerate(loader):
+        if i % count == rank:
+            mine = batch
+        if i % count == count - 1:
+            yield mine
+
+
+def _examples(batch: Any) -> int:
+    """Number of examples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            n = _examples(item)
+            if n:
+                return n
+    return 0
+
+
+def _check_lengths(loader: Iterable[Any], shard: bool) -> int | None:
+    """Steps per epoch for the progress bar (None without len); ValueError if processes differ."""
+    try:
+        length = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    lengths = all_gather(torch.tensor([length], dtype=torch.int64)).tolist()
+    if len(set(lengths)) > 1:
+        raise ValueError(f"fit: the loaders have different lengths on different processes ({lengths}, by rank); "
+                         "every process must run the same number of steps"
+                         + (" (shard=True: give every process the same loader, with the same shuffle seed)"
+                            if shard else " (shard=False: split the data evenly, e.g. DistributedSampler(drop_last=True))"))
+    return length // tpudist.process_count() if shard else length
+
+
+class _Progress:
+    """A rich progress bar on rank 0 when stderr is a terminal; otherwise nothing. Either way
+    rank 0 prints one line per epoch."""
+
+    def __init__(self, enabled: bool, log: bool):
+        self.log = log
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=True)
+            self.bar.start()
+
+    def epoch(self, epoch: int, epochs: int, total: int | None) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task(f"epoch {epoch}/{epochs}", total=total, info="")
+
+    def update(self, loss: float, rate: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=f"loss {loss:.4g} (rank 0)  {rate:,.0f} examples/s")
+
+    def end_epoch(self, record: dict[str, float], epochs: int) -> None:
+        if self.bar is not None:
+            self.bar.remove_task(self.task)
+        if self.log:
+            print(f"epoch {record['epoch']}/{epochs}: loss {record['loss']:.6g}, "
+                  f"{record['examples_per_s']:,.0f} examples/s ({record['examples']} examples in "
+                  f"{record['seconds']:.2f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor], epochs: int = 1, *, step_fn: StepFn | None = None,
+        shard: bool = True, progress: bool | None = None, log: bool = True) -> list[dict[str, float]]:
+    """Trains `model` data-parallel across every process; returns one record per epoch.
+
+    Call it on every process. With `shard=True` every process iterates the same `loader` (same
+    batches, same order: seed any shuffling identically) and trains on batch i if
+    i % process_count == its rank, so each step's global batch is process_count loader batches;
+    a last round with fewer batches than processes is dropped so every process runs the same
+    number of steps. With `shard=False` the loader is already this process's share (e.g. with a
+    `DistributedSampler(drop_last=True)`) and must have the same length on every process.
+
+    Each step is `step_fn(batch) -> local loss`; the default, `eager_step(model, loss_fn,
+    optimizer)`, runs forward and backward in eager torch and `optimizer_step`. Batches are
+    `(*inputs, target)` for the default step. Rank 0 shows a progress bar (loss, examples/s) when
+    `progress` is True, or None and stderr is a terminal, and prints one line per epoch if `log`.
+
+    Each record: {"epoch", "loss" (mean over steps and processes of the local losses), "examples"
+    (all processes), "seconds", "examples_per_s"}. Example::
+
+        history = tpudist.fit(model, loader, torch.optim.Adam(model.parameters()), F.mse_loss, epochs=2)
+        history[-1]["loss"]
+    """
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs={epochs!r} must be a positive int")
+    rank, count = tpudist.process_index(), tpudist.process_count()
+    step = step_fn if step_fn is not None else eager_step(model, loss_fn, optimizer)
+    total = _check_lengths(loader, shard)
+    bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
+                    log and rank == 0)
+    history: list[dict[str, float]] = []
+    model.train()
+    try:
+        for epoch in range(1, epochs + 1):
+            bar.epoch(epoch, epochs, total)
+            loss_sum, examples, steps = 0.0, 0, 0
+            start = time.perf_counter()
+            for batch in (_my_batches(loader, rank, count) if shard else loader):
+                loss_sum += float(step(batch))
+                examples += _examples(batch)
+                steps += 1
+                bar.update(loss_sum / steps, examples * count / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            # One collective per epoch, not per step: the history's loss and example count.
+            totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
+            loss_total, examples_total, steps_total = totals.tolist()
+            record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
+                      "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
+            history.append(record)
+            bar.end_epoch(record, epochs)
+    finally:
+        bar.close()
+    return history
