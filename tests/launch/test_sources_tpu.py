@@ -414,3 +414,33 @@ def test_describe_fixture_is_a_cloud_tpu_v2_node_per_the_gcloud_sdk(monkeypatch)
     assert str(node.state) == "READY" and str(node.health) == "HEALTHY"
     assert node.networkEndpoints[1].accessConfig.externalIp == "34.1.0.3"
     assert str(node.acceleratorConfig.type) == "V4" and node.acceleratorConfig.topology == "2x2x4"
+
+
+def test_seed_command_line_dry_run_on_a_v4_32_slice(gcloud, monkeypatch):
+    """The seed's command line, verbatim, resolved through the gcloud stand-in: the plan shows every
+    worker's process with the TPU environment, the user's --env and the conda env."""
+    from launchutil import launch
+
+    gcloud.behaviour["config"] = {"compute/zone": "us-central2-b", "project": "my-proj"}
+    gcloud.write()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nobody listens on: no metadata server here
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed.getsockname()[1]}")
+    seed = ("--tpu=my-slice --conda-env=torch-xla-1.6 --env ANY_ENV_VAR=VALUE -- "
+            "python /path/to/your/code.py --train_arg1 --train_arg2").split()
+    r = launch("--dry-run", *seed, timeout=60)
+    closed.close()
+    assert r.returncode == 0, r.stderr.decode()
+    procs = json.loads(r.stdout)["processes"]
+    assert [(p["worker"], p["rank"], p["local_rank"], p["host"]) for p in procs] == [
+        (0, 0, 0, "34.1.0.9"), (1, 1, 0, "34.1.0.3"), (2, 2, 0, "34.1.0.7"), (3, 3, 0, "34.1.0.5")]
+    for p in procs:
+        env = p["env"]
+        assert p["argv"] == ["python", "/path/to/your/code.py", "--train_arg1", "--train_arg2"]
+        assert p["conda_env"] == "torch-xla-1.6" and env["ANY_ENV_VAR"] == "VALUE"
+        assert env["TPU_WORKER_ID"] == str(p["worker"]) == env["TPUDIST_WORKER"]
+        assert env["TPU_WORKER_HOSTNAMES"] == "10.130.0.9,10.130.0.3,10.130.0.7,10.130.0.5"
+        assert env["TPU_ACCELERATOR_TYPE"] == "v4-32" and env["PJRT_DEVICE"] == "TPU"
+        assert (env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("1,1,4", "2,2,1")
+        assert env["TPUDIST_COORDINATOR"].startswith("10.130.0.9:")  # worker 0's internal address
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(p["rank"]), "4")

@@ -65,7 +65,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[i
         raise TypeError("optimizer_step averages dense gradients; a parameter has a sparse .grad "
                         "(nn.Embedding(sparse=True)?): use sparse=False or tpudist.nn.ShardedEmbedding")
     if replicated:
-        means = [p.grad for p in replicated]
+        means = all_reduce([p.grad for p in replicated], op="mean", groups=groups)
         with torch.no_grad():
             for p, mean in zip(replicated, means):
                 p.grad.copy_(mean)
