@@ -184,7 +184,7 @@ def test_sharded_embedding_trains_like_dense(ranks):
     for r in ranks:
         np.testing.assert_allclose(r["bag_table"], model.emb.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
         assert_params_close(r["bag_head"], model.head)
-    # rows 2 is never looked up and must not move; row 6 (shard end, repeated) must
+    # row 2 is never looked up and must not move; row 6 (shard end, repeated) must
     np.testing.assert_array_equal(ranks[0]["bag_table"][2], dense_table()[2].numpy())
     assert not np.allclose(ranks[0]["bag_table"][6], dense_table()[6].numpy())
 
