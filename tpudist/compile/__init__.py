@@ -16,6 +16,11 @@ _EXPORTS = {
     "optimizer_step": "tpudist.compile._torch_train",
     "compile_train_step": "tpudist.compile._torch_train",
     "fit": "tpudist.compile._torch_train",
+    "supported_torch_ops": "tpudist.compile._torch",
+    "UnsupportedOpError": "tpudist.compile._torch",
+    "CaptureError": "tpudist.compile._torch",
+    "CompiledModule": "tpudist.compile._torch",
+    "TorchCompileStats": "tpudist.compile._torch",
 }
 
 __all__ = sorted(_EXPORTS)
