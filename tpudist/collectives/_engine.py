@@ -107,7 +107,6 @@ class Engine:
         self.seq = 0
         self.stats = {"compiles": 0, "calls": 0, "compile_seconds": 0.0}
         self._cache: dict[Any, Any] = {}
-        self._meshes: dict[Any, Mesh] = {}
         self._shardings: dict[Any, NamedSharding] = {}
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -124,15 +123,14 @@ class Engine:
             seq = self.seq
             limit = self.timeout
             deadline = time.monotonic() + limit
-            mesh = self._mesh(groups)
+            sharding = self._sharding(groups)
             key = (op.name, op.params, groups, tuple((b.shape, b.dtype) for b in blocks))
             compiled = self._cache.get(key)
             if compiled is None:
                 if self.kv is not None:
                     self._check_peers(seq, op, groups, blocks, deadline, limit)
-                compiled = self._compile(op, mesh, blocks)
+                compiled = self._compile(op, groups, blocks)
                 self._cache[key] = compiled
-            sharding = self._shardings[groups]
             inputs = [_global_array(sharding, groups, b) for b in blocks]
             self.stats["calls"] += 1
             start = time.monotonic()
@@ -152,17 +150,18 @@ class Engine:
 
     # -- pieces ---------------------------------------------------------------------------------
 
-    def _mesh(self, groups: tuple[tuple[int, ...], ...]) -> Mesh:
-        found = self._meshes.get(groups)
+    def _sharding(self, groups: tuple[tuple[int, ...], ...]) -> NamedSharding:
+        """The (group, slot) sharding over one device per process, built once per grouping."""
+        found = self._shardings.get(groups)
         if found is None:
             devices = np.array([[self.process_devices[r] for r in g] for g in groups])
-            found = self._meshes[groups] = Mesh(devices, (GROUP, SLOT))
-            self._shardings[groups] = NamedSharding(found, _SPEC)
+            found = self._shardings[groups] = NamedSharding(Mesh(devices, (GROUP, SLOT)), _SPEC)
         return found
 
-    def _compile(self, op: Op, mesh: Mesh, blocks: list[jax.Array]) -> Any:
+    def _compile(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array]) -> Any:
+        sharding = self._sharding(groups)
+        mesh = sharding.mesh
         slots = mesh.shape[SLOT]
-        sharding = NamedSharding(mesh, _SPEC)
         lead = (mesh.shape[GROUP], slots)
         avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
         fn = jax.shard_map(lambda *xs: list(op.body(list(xs), slots)), mesh=mesh,
@@ -198,7 +197,7 @@ class Engine:
             try:
                 theirs = json.loads(self.kv.blocking_key_value_get(base + str(r), left_ms))
             except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                missing = [q for q in range(self.n) if q != self.rank and not self._has(base + str(q))]
+                missing = self._absent(base)
                 self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
                 raise self._timeout_error(seq, op, missing, "checking the collective's signature",
                                           limit) from None
@@ -209,6 +208,10 @@ class Engine:
                         f"{_show(value)} differs from rank {r}'s {_show(theirs.get(field))}; every "
                         "process must call the same collectives in the same order with the same "
                         "shapes, dtypes and parameters")
+
+    def _absent(self, base: str) -> list[int]:
+        """The other ranks with no key under `base` in the key-value store."""
+        return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
 
     def _has(self, key: str) -> bool:
         try:
@@ -225,8 +228,7 @@ class Engine:
     def _missing(self, seq: int) -> list[int]:
         self._arrive(seq)
         time.sleep(_ARRIVAL_GRACE)  # peers that are also waiting time out about now and record theirs
-        base = f"{self.prefix}/arrive/{seq}/"
-        return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
+        return self._absent(f"{self.prefix}/arrive/{seq}/")
 
     def _timeout_error(self, seq: int, op: Op, missing: list[int], doing: str,
                        limit: float) -> CollectiveTimeout:
@@ -247,8 +249,7 @@ class Engine:
             try:
                 self.kv.wait_at_barrier(f"{self.prefix}/barrier/{seq}", int(limit * 1000))
             except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                base = f"{self.prefix}/arrive/{seq}/"
-                missing = [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
+                missing = self._absent(f"{self.prefix}/arrive/{seq}/")
                 raise self._timeout_error(seq, Op("barrier", (), lambda b, s: b), missing,
                                           "at the barrier", limit) from None
 
