@@ -47,6 +47,7 @@ _EXPORTS = {
     "optimizer_step": "tpudist.compile",
     "compile_train_step": "tpudist.compile",
     "fit": "tpudist.compile",
+    "eager_step": "tpudist.compile",
 }
 _SUBMODULES = ("mesh", "collectives", "compile", "launch", "testing", "nn", "contract")
 

@@ -8,9 +8,11 @@
     loss.backward()                    # every process must call backward: it runs a collective
     tpudist.optimizer_step(opt)        # averages replicated grads; scales the sharded rows' grads
 
-This is the eager-torch embedding for data-parallel PyTorch programs. The JAX / compiled-step
-embedding is `tpudist.ShardedEmbedding` (tpudist/compile/_embedding.py); this module does not run
-under `tpudist.compile(module)` (the bridge does not lower its collectives).
+This is the embedding for data-parallel PyTorch programs. It runs in eager torch (its collectives
+are tpudist's eager ones, with autograd) and inside the fused train step
+(`tpudist.compile_train_step`, `tpudist.fit`), where its lookup becomes in-graph collectives. A
+plain `tpudist.compile(module)` runs each process's graph alone and rejects it. The JAX
+embedding is `tpudist.ShardedEmbedding` (tpudist/compile/_embedding.py).
 """
 
 from __future__ import annotations
@@ -33,12 +35,21 @@ MODES = (None, "sum", "mean")
 SHARDED_ATTR = "_tpudist_sharded"
 
 
+def rows_per_process(num_embeddings: int) -> int:
+    """Rows each process holds: an equal share, rounded up to a multiple of its local device count
+    so that the fused train step can split the block evenly over those devices."""
+    local = len(tpudist.local_devices())
+    share = -(-num_embeddings // tpudist.process_count())
+    return -(-share // local) * local
+
+
 class ShardedEmbedding(nn.Module):
     """An embedding table whose rows are split across all processes of the job.
 
     Process p holds rows [p * R, (p + 1) * R) of the table in `self.weight`, where
-    R = ceil(num_embeddings / process_count): the table is padded with zero rows to a multiple of
-    the process count (padding rows are never looked up and never receive gradient).
+    R = ceil(num_embeddings / process_count) rounded up to a multiple of the process's local device
+    count (see `rows_per_process`): the table is padded with zero rows (padding rows are never
+    looked up and never receive gradient).
 
     `forward(ids)` is a collective: every process calls it at the same time with its own batch of
     ids, and all processes' `ids` must have the same shape (pad ragged batches). With `mode=None`
@@ -76,7 +87,7 @@ class ShardedEmbedding(nn.Module):
         self.mode = mode
         self.process_count = tpudist.process_count()
         self.rank = tpudist.process_index()
-        self.rows_per_process = -(-num_embeddings // self.process_count)
+        self.rows_per_process = rows_per_process(num_embeddings)
         self.row_offset = self.rank * self.rows_per_process
         if _weight is None:
             _weight = self._init_block(dtype)
@@ -107,8 +118,8 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"from_dense needs a 2-D (num_embeddings, embedding_dim) tensor, got "
                              f"{getattr(weight, 'shape', type(weight).__name__)}")
         n, dim = weight.shape
-        count, rank = tpudist.process_count(), tpudist.process_index()
-        rows = -(-n // count)
+        rank = tpudist.process_index()
+        rows = rows_per_process(n)
         block = torch.zeros(rows, dim, dtype=weight.dtype)
         real = weight.detach()[rank * rows:(rank + 1) * rows]
         block[:len(real)] = real
@@ -126,7 +137,13 @@ class ShardedEmbedding(nn.Module):
         if self.mode is not None and (ids.ndim == 0 or ids.shape[-1] == 0):
             raise ValueError(f"rank {self.rank}: mode={self.mode!r} reduces the last ids dimension as a "
                              f"bag, so ids need at least one dimension of size >= 1; got shape {tuple(ids.shape)}")
-        out = _Lookup.apply(self.weight, ids, self)
+        if torch.compiler.is_exporting():
+            # captured by the fused train step as one node, lowered to in-graph collectives
+            from tpudist.compile._torch._custom_ops import sharded_embedding_lookup
+            bag = ids.shape[-1] if self.mode is not None else 1
+            out = sharded_embedding_lookup(self.weight, ids.reshape(-1, bag), self.mode or "none")
+        else:
+            out = _Lookup.apply(self.weight, ids, self)
         shape = ids.shape[:-1] if self.mode is not None else ids.shape
         return out.reshape(*shape, self.embedding_dim)
 

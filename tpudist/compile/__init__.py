@@ -16,6 +16,8 @@ _EXPORTS = {
     "optimizer_step": "tpudist.compile._torch_train",
     "compile_train_step": "tpudist.compile._torch_train",
     "fit": "tpudist.compile._torch_train",
+    "eager_step": "tpudist.compile._torch_train",
+    "TrainStep": "tpudist.compile._torch._fused",
     "supported_torch_ops": "tpudist.compile._torch",
     "UnsupportedOpError": "tpudist.compile._torch",
     "CaptureError": "tpudist.compile._torch",

@@ -1,4 +1,4 @@
-"""Data-parallel PyTorch training across processes: `optimizer_step` and `fit`.
+"""Data-parallel PyTorch training across processes: `optimizer_step`, the fused step and `fit`.
 
     for x, y in loader:                       # each process: its own part of the global batch
         opt.zero_grad()
@@ -7,9 +7,11 @@
 
     history = tpudist.fit(model, loader, opt, torch.nn.functional.cross_entropy, epochs=3)
 
-Both run the model in eager torch today. `fit` takes its per-batch step as `step_fn`, the seam
-where the fused compiled step (forward, backward, in-graph all-reduce, update in one XLA
-executable) plugs in.
+    step = tpudist.compile_train_step(model, loss_fn, opt)   # one XLA executable per step
+    loss = step((x_local, y_local))
+
+`fit` runs the fused step (`compile_train_step`, in `_torch/_fused.py`) by default and takes any
+other per-batch step as `step_fn` (`eager_step`: eager torch plus `optimizer_step`).
 """
 
 from __future__ import annotations
@@ -78,16 +80,38 @@ def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[i
 
 
 def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-                       optimizer: torch.optim.Optimizer, **options: Any) -> StepFn:
-    """The fused data-parallel step (forward, backward, in-graph gradient all-reduce and the
-    optimizer update in one XLA executable). Not built yet: use `eager_step`, which `fit` uses."""
-    raise NotImplementedError("tpudist.compile_train_step is not available yet; use tpudist.fit (eager "
-                              "step) or tpudist.compile(model) with tpudist.optimizer_step")
+                       optimizer: torch.optim.Optimizer, *, mesh: Any = None,
+                       max_grad_norm: float | None = None) -> StepFn:
+    """The fused data-parallel step: forward, backward, the gradient all-reduce and the optimizer
+    update in ONE XLA executable. Returns `step(batch) -> loss`; `fit` uses it by default.
+
+    `batch` is this process's `(*inputs, target)`; the step runs `loss_fn(model(*inputs), target)`
+    (captured together with torch.export; `loss_fn` must return a mean-reduced scalar), averages
+    the gradients over every device of every process in-graph, and applies `optimizer`'s update
+    inside the executable: torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize),
+    Adam (amsgrad, weight decay) and AdamW, matching torch.optim's numbers. Hyperparameters are read
+    from `optimizer.param_groups` on every step (LR schedulers work, no recompile); afterwards the
+    model's parameters and `optimizer.state` hold the new values (views of XLA's buffers), so
+    evaluation, `state_dict()` and checkpoints work between steps, and changes made from torch
+    between steps are picked up. `.grad` is not filled. `max_grad_norm` clips the averaged
+    gradients of the parameters it trains, like `torch.nn.utils.clip_grad_norm_` over them.
+    `mesh` defaults to every device of every process on one "data" axis; each process's batch is
+    split over its own devices (BatchNorm statistics are per device, as with DDP; the running
+    statistics are averaged over devices after each step).
+
+    `tpudist.nn.ShardedEmbedding` layers train inside the step: their lookups become in-graph
+    collectives. A new batch shape or train/eval mode compiles once more (`step.stats`).
+
+        step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
+        loss = step((x_local, y_local))
+    """
+    from tpudist.compile._torch._fused import TrainStep
+    return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm)
 
 
 def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                optimizer: torch.optim.Optimizer) -> StepFn:
-    """`fit`'s default step: eager forward and backward, then `optimizer_step`.
+    """A step for `fit(step_fn=...)`: eager forward and backward, then `optimizer_step`.
 
     The returned function takes one batch, a tuple or list `(*inputs, target)`, runs
     `loss_fn(model(*inputs), target)`, and returns this process's loss (detached). Example::
@@ -195,9 +219,11 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     number of steps. With `shard=False` the loader is already this process's share (e.g. with a
     `DistributedSampler(drop_last=True)`) and must have the same length on every process.
 
-    Each step is `step_fn(batch) -> local loss`; the default, `eager_step(model, loss_fn,
-    optimizer)`, runs forward and backward in eager torch and `optimizer_step`. Batches are
-    `(*inputs, target)` for the default step. Rank 0 shows a progress bar (loss, examples/s) when
+    Each step is `step_fn(batch) -> local loss`; the default, `compile_train_step(model, loss_fn,
+    optimizer)`, is the fused XLA step (forward, backward, gradient all-reduce and update in one
+    executable; SGD, Adam, AdamW). `step_fn=tpudist.eager_step(model, loss_fn, optimizer)` runs
+    eager torch with `optimizer_step` instead (any optimizer, any model torch.export cannot
+    capture). Batches are `(*inputs, target)` for both. Rank 0 shows a progress bar (loss, examples/s) when
     `progress` is True, or None and stderr is a terminal, and prints one line per epoch if `log`.
 
     Each record: {"epoch", "loss" (mean over steps and processes of the local losses), "examples"
@@ -209,7 +235,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
     rank, count = tpudist.process_index(), tpudist.process_count()
-    step = step_fn if step_fn is not None else eager_step(model, loss_fn, optimizer)
+    step = step_fn if step_fn is not None else compile_train_step(model, loss_fn, optimizer)
     total = _check_lengths(loader, shard)
     bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
                     log and rank == 0)

@@ -23,3 +23,21 @@ def _stop_gradient_fake(x: torch.Tensor) -> torch.Tensor:
 
 
 STOP_GRADIENT = torch.ops.tpudist.stop_gradient.default
+
+
+@torch.library.custom_op("tpudist::sharded_embedding_lookup", mutates_args=())
+def sharded_embedding_lookup(block: torch.Tensor, ids: torch.Tensor, mode: str) -> torch.Tensor:
+    """`tpudist.nn.ShardedEmbedding`'s lookup as one graph node: this process's row `block` and
+    its (bags, bag) `ids` -> (bags, dim) vectors, the bag summed ("sum"), averaged ("mean") or of one
+    id ("none"). Only captured, never run by torch: the fused train step lowers it to in-graph
+    collectives (all_gather of the ids, masked local lookup, psum_scatter)."""
+    raise RuntimeError("tpudist::sharded_embedding_lookup runs only inside tpudist's fused train step; "
+                       "ShardedEmbedding's eager forward does not call it")
+
+
+@sharded_embedding_lookup.register_fake
+def _sharded_embedding_lookup_fake(block: torch.Tensor, ids: torch.Tensor, mode: str) -> torch.Tensor:
+    return block.new_empty((ids.shape[0], block.shape[1]))
+
+
+SHARDED_EMBEDDING_LOOKUP = torch.ops.tpudist.sharded_embedding_lookup.default

@@ -1,0 +1,255 @@
+"""The fused train step (`tpudist.compile_train_step`): forward, backward, gradient all-reduce and
+the torch optimizer's update in one XLA executable.
+
+References are eager torch: the same model and optimizer stepped by torch.optim on the same data.
+Single-process checks run in this process; the data-parallel ones in ONE 2-process job with 2 CPU
+devices per process (a module fixture), whose training must equal one eager process on the global
+batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpudist
+from tpudist.testing import run_on_mesh
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, nesterov=True),
+    "sgd_maximize": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5, maximize=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adam_amsgrad_wd": lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.9), weight_decay=0.05, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1),
+    "adamw_maximize": lambda ps: torch.optim.AdamW(ps, lr=0.01, maximize=True),
+}
+STEPS = 4
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+
+
+def batches(n: int = 8, count: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(count)]
+
+
+def eager_train(model: nn.Module, opt: torch.optim.Optimizer, data, loss_fn=F.cross_entropy,
+                clip: float | None = None) -> list[float]:
+    losses = []
+    for *inputs, target in data:
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        if clip is not None:
+            # over the parameters the optimizer trains, as the fused step's max_grad_norm does
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_state(got: nn.Module, want: nn.Module, atol: float = 2e-6) -> None:
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=atol, err_msg=name)
+
+
+def assert_same_optimizer_state(got: torch.optim.Optimizer, want: torch.optim.Optimizer) -> None:
+    a, b = got.state_dict()["state"], want.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for index in b:
+        assert a[index].keys() == b[index].keys(), index
+        for field, value in b[index].items():
+            np.testing.assert_allclose(np.asarray(a[index][field]), np.asarray(value), rtol=1e-5, atol=2e-6,
+                                       err_msg=f"param {index} {field}")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_matches_torch_optim(name):
+    model, ref = mlp(), mlp()
+    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    data = batches()
+    losses = [step(batch).item() for batch in data]
+    ref_losses = eager_train(ref, ref_opt, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+    assert step.stats.compiles == 1 and step.stats.calls == STEPS
+    assert all(p.grad is None for p in model.parameters())  # documented: the fused step keeps grads in XLA
+
+
+def test_param_groups_lr_schedule_and_clipping_match_eager():
+    def make(model):
+        opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.3},
+                               {"params": model[3].parameters(), "momentum": 0.5}], lr=0.1, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+
+    model, ref = mlp(), mlp()
+    (opt, sched), (ref_opt, ref_sched) = make(model), make(ref)
+    # model[1] (LayerNorm) is in no param group: it must stay as it is, as in eager torch
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt, max_grad_norm=0.5)
+    for batch in batches(count=5):
+        step(batch)
+        sched.step()
+        eager_train(ref, ref_opt, [batch], clip=0.5)
+        ref_sched.step()
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+    assert step.stats.compiles == 1  # a new learning rate is an argument, not a recompile
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def test_conv_batchnorm_buffers_and_eval_mode_match_eager():
+    model, ref = conv_net(), conv_net()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    for batch in data:
+        step(batch)
+    eager_train(ref, ref_opt, data)
+    assert_same_state(model, ref, atol=1e-5)   # includes BatchNorm's running statistics
+    model.eval()
+    ref.eval()
+    step(data[0])
+    eager_train(ref, ref_opt, data[:1])
+    assert_same_state(model, ref, atol=1e-5)
+    assert step.stats.compiles == 2  # train and eval
+
+
+def test_changes_made_from_torch_between_steps_are_used():
+    model, ref = mlp(), mlp()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    data = batches(count=6)
+    for batch in data[:2]:
+        step(batch)
+    eager_train(ref, ref_opt, data[:2])
+    # a checkpoint restore of both, and an in-place edit of one parameter
+    checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    for batch in data[2:4]:
+        step(batch)
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    with torch.no_grad():
+        model[3].bias.add_(1.0)
+        ref[3].bias.add_(1.0)
+    for batch in data[4:]:
+        step(batch)
+    eager_train(ref, ref_opt, data[4:])
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+    assert step.stats.state_reloads > 0
+
+
+def test_errors_name_the_problem_and_the_fix():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"RMSprop.*eager_step"):
+        tpudist.compile_train_step(model, F.cross_entropy, torch.optim.RMSprop(model.parameters()))
+    step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(count=1)[0]
+    with pytest.raises(TypeError, match=r"rank 0: .*\(\*inputs, target\)"):
+        step(x)
+    with pytest.raises(ValueError, match=r"different leading sizes \[7, 8\]"):
+        step((x[:7], y))
+    nonscalar = tpudist.compile_train_step(model, lambda out, t: F.cross_entropy(out, t, reduction="none"),
+                                           torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="one floating scalar"):
+        nonscalar((x, y))
+    double = mlp().double()
+    with pytest.raises(TypeError, match=r"float64.*model.float\(\)"):
+        tpudist.compile_train_step(double, F.cross_entropy, torch.optim.SGD(double.parameters(), lr=0.1))(
+            (x.double(), y))
+
+
+def test_plain_compile_rejects_sharded_embedding_and_points_to_the_fused_step():
+    model = nn.Sequential(tpudist.nn.ShardedEmbedding(10, 4, mode="sum"), nn.Linear(4, 1))
+    with pytest.raises(tpudist.compile.UnsupportedOpError, match=r"ShardedEmbedding.*compile_train_step"):
+        tpudist.compile(model)(torch.tensor([[1, 2], [3, 4]]))
+
+
+# -- data parallel: 2 processes x 2 CPU devices ------------------------------------------------------
+
+N, DEVICES = 2, 2
+VOCAB, DIM = 7, 3
+
+
+class BagModel(nn.Module):
+    def __init__(self, emb: nn.Module):
+        super().__init__()
+        self.emb = emb
+        torch.manual_seed(4)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def bag_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randint(0, VOCAB, (8, 3), generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+
+
+def dense_table() -> torch.Tensor:
+    return torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(2))
+
+
+def on_rank() -> dict:
+    rank = tpudist.process_index()
+    mine = slice(rank * 4, rank * 4 + 4)   # each process: half of every global batch of 8
+    out: dict = {}
+    for name in ("sgd_momentum_wd", "adamw"):
+        model = mlp()
+        step = tpudist.compile_train_step(model, F.cross_entropy, OPTIMIZERS[name](model.parameters()))
+        out[name] = [step((x[mine], y[mine])).item() for x, y in batches()]
+        out[name + "_params"] = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    model = BagModel(tpudist.nn.ShardedEmbedding.from_dense(dense_table(), mode="mean"))
+    step = tpudist.compile_train_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5))
+    for ids, y in bag_data():
+        step((ids[mine], y[mine]))
+    out["bag_table"] = model.emb.full_weight().numpy()
+    out["bag_head"] = {k: v.numpy().copy() for k, v in model.head.state_dict().items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_mesh(on_rank, nprocs=N, cpu_devices=DEVICES, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_wd", "adamw"])
+def test_data_parallel_fused_step_equals_one_process_on_the_global_batch(ranks, name):
+    ref = mlp()
+    ref_losses = eager_train(ref, OPTIMIZERS[name](ref.parameters()), batches())
+    for rank, result in enumerate(ranks):
+        for (key, value), want in zip(result[name + "_params"].items(), ref.state_dict().values()):
+            np.testing.assert_allclose(value, want.numpy(), rtol=1e-5, atol=2e-6, err_msg=f"rank {rank} {key}")
+    # each process returns its own half's loss; their mean is the global batch's loss
+    np.testing.assert_allclose(np.mean([r[name] for r in ranks], axis=0), ref_losses, rtol=1e-5)
+
+
+def test_sharded_embedding_trains_inside_the_fused_step_like_a_dense_bag(ranks):
+    ref = BagModel(nn.EmbeddingBag.from_pretrained(dense_table(), freeze=False, mode="mean"))
+    eager_train(ref, torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.5), bag_data(), loss_fn=F.mse_loss)
+    for rank, result in enumerate(ranks):
+        np.testing.assert_allclose(result["bag_table"], ref.emb.weight.detach().numpy(), rtol=1e-5, atol=2e-6,
+                                   err_msg=f"rank {rank} table")
+        for key, value in result["bag_head"].items():
+            np.testing.assert_allclose(value, ref.head.state_dict()[key].numpy(), rtol=1e-5, atol=2e-6,
+                                       err_msg=f"rank {rank} head.{key}")

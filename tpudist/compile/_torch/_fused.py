@@ -1,0 +1,379 @@
+"""The fused data-parallel train step for a torch.nn.Module: one XLA executable per step.
+
+    step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
+    for x, y in my_batches:                 # this process's share of the global batch
+        loss = step((x, y))                 # forward, backward, grad all-reduce, AdamW: one executable
+
+`model` and `loss_fn` are captured together (torch.export of `loss_fn(model(*inputs), target)`),
+lowered to JAX through the op registry, and wrapped in a per-device step run under `shard_map`
+over a "data" axis made of every device of every process: each device differentiates its slice of
+the batch, `pmean` averages the gradients in-graph (one all-reduce), and the optimizer's update
+(`_optim`) runs on every device on the averaged gradients. Rows of `tpudist.nn.ShardedEmbedding`
+are split over the devices instead and their lookups are in-graph collectives.
+
+State: between steps the parameters and the optimizer's state are global JAX arrays, and the
+model's parameters (`p.data`) and `optimizer.state` are zero-copy torch views of them, so the model
+and optimizer always hold the current values (evaluate, checkpoint, `state_dict()` at any time).
+A parameter or state tensor changed from torch between steps (`load_state_dict`, in-place init,
+`optimizer.load_state_dict`) is noticed (tensor identity, storage and version) and read again.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from torch.utils._pytree import tree_flatten
+
+from tpudist.compile._torch import _optim
+from tpudist.compile._torch._capture import capture
+from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._lower import lower
+from tpudist.compile._torch._module import _leaf_key
+from tpudist.compile._torch._program import _resolver, _seed
+from tpudist.compile._torch.ops.collective import over_axis
+
+AXIS = "data"
+_SHARDED_ATTR = "_tpudist_sharded"  # set by tpudist.nn.ShardedEmbedding on its weight
+
+@dataclass
+class TrainStepStats:
+    """Counters of one fused train step: `compiles` (batch signatures and train/eval modes
+    captured and compiled; a steady loop stays at 1), `calls`, `state_reloads` (parameters or
+    optimizer state re-read from torch because they were changed between steps),
+    `capture_seconds`, `compile_seconds`."""
+
+    compiles: int = 0
+    calls: int = 0
+    state_reloads: int = 0
+    capture_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+
+class _Objective(torch.nn.Module):
+    """`loss_fn(model(*batch[:-1]), batch[-1])` as one module, so one export captures both."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn  # registered as a submodule when it is one (nn.CrossEntropyLoss())
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(*batch[:-1]), batch[-1])
+
+
+class _Tracked:
+    """A global array we hold for a torch tensor, and how to tell whether torch changed it since."""
+
+    __slots__ = ("array", "view", "ptr", "version")
+
+    def __init__(self, array: jax.Array, view: torch.Tensor | None):
+        self.array, self.view = array, view
+        self.ptr = view.data_ptr() if view is not None else None
+        self.version = view._version if view is not None else None
+
+    def fresh(self, tensor: torch.Tensor | None) -> bool:
+        return (tensor is not None and self.view is not None and tensor.data_ptr() == self.ptr
+                and tensor._version == self.version)
+
+
+class TrainStep:
+    """`step(batch) -> loss`: see `compile_train_step`."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                 optimizer: torch.optim.Optimizer, *, mesh: Any = None, max_grad_norm: float | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"compile_train_step takes a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (e.g. torch.nn.functional.cross_entropy), got {loss_fn!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a positive number or None")
+        self.kind = _optim.kind_of(optimizer)
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.max_grad_norm = max_grad_norm
+        if mesh is None:
+            from tpudist.mesh import make_mesh
+            mesh = make_mesh({AXIS: -1})
+        if tuple(mesh.axis_names) != (AXIS,):
+            raise ValueError(f"the fused train step runs data-parallel over a 1-D mesh with axis {AXIS!r}; "
+                             f"got axes {tuple(mesh.axis_names)} (tpudist.mesh.make_mesh({{'data': -1}}))")
+        self.mesh = mesh
+        me = jax.process_index()
+        self.local_devices = sum(1 for d in mesh.devices.flat if d.process_index == me)
+        self.stats = TrainStepStats()
+        self._objective = _Objective(model, loss_fn)
+        self._submodules = list(model.modules())
+        self._programs: dict[Any, _FusedProgram] = {}
+        self._tracked: dict[tuple[int, str], _Tracked] = {}  # (id(param), "param" | state name)
+
+    def __repr__(self) -> str:
+        return (f"TrainStep({type(self.model).__name__}, {type(self.optimizer).__name__}, "
+                f"devices={self.mesh.devices.size}, signatures={len(self._programs)})")
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Runs one step on this process's `batch` (`(*inputs, target)`); returns its loss (the mean
+        over this process's devices of their slices' losses, a 0-d float32 tensor)."""
+        rank = jax.process_index()
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise TypeError(f"rank {rank}: the fused train step takes a batch (*inputs, target), got "
+                            f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        leaves, spec = tree_flatten(tuple(batch))
+        tensors = [torch.as_tensor(x) if isinstance(x, np.ndarray) else x for x in leaves]
+        rows = self._rows(tensors, rank)
+        self.stats.calls += 1
+        key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(t) for t in tensors),
+               self._optimizer_key())
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = _FusedProgram(self, spec, tensors, rows // self.local_devices)
+            self.stats.compiles += 1
+        return program(tensors)
+
+    def _rows(self, tensors: list[Any], rank: int) -> int:
+        shaped = [t for t in tensors if isinstance(t, torch.Tensor)]
+        if not shaped or any(t.ndim == 0 for t in shaped):
+            raise ValueError(f"rank {rank}: every tensor of a batch needs a leading batch dimension; got shapes "
+                             f"{[tuple(t.shape) for t in shaped]}")
+        rows = {int(t.shape[0]) for t in shaped}
+        if len(rows) != 1:
+            raise ValueError(f"rank {rank}: the batch's tensors have different leading sizes {sorted(rows)}; "
+                             "they must all be this process's examples")
+        (n,) = rows
+        if n == 0 or n % self.local_devices:
+            raise ValueError(f"rank {rank}: a batch of {n} examples cannot be split evenly over this process's "
+                             f"{self.local_devices} devices; use a per-process batch size that is a multiple of "
+                             f"{self.local_devices} (e.g. DataLoader(drop_last=True))")
+        return n
+
+    def _optimizer_key(self) -> tuple:
+        return tuple((tuple(id(p) for p in g["params"]), _optim.config(self.kind, self.optimizer, g))
+                     for g in self.optimizer.param_groups)
+
+
+class _FusedProgram:
+    """The compiled step for one batch signature and train/eval mode."""
+
+    def __init__(self, owner: TrainStep, spec: Any, tensors: list[Any], device_rows: int):
+        from tpudist.compile._jax_step import compile_jax
+        self.owner = owner
+        example = [t[:device_rows] if isinstance(t, torch.Tensor) else t for t in tensors]
+        args = torch.utils._pytree.tree_unflatten(example, spec)
+        captured = capture(owner._objective, tuple(args), {})
+        owner.stats.capture_seconds += captured.seconds
+        self.captured = captured
+        losses = [i for i, o in enumerate(captured.outputs) if o.kind == "user"]
+        output = next(n for n in captured.graph.nodes if n.op == "output").args[0]
+        loss_node = output[losses[0]] if len(losses) == 1 else None
+        loss_val = loss_node.meta.get("val") if isinstance(loss_node, torch.fx.Node) else None
+        if len(losses) != 1 or not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1 \
+                or not loss_val.dtype.is_floating_point:
+            raise ValueError(f"loss_fn must return one floating scalar (e.g. a mean-reduced loss); it returned "
+                             f"{getattr(loss_val, 'shape', loss_val)!r}")
+        self.loss_position = losses[0]
+        self.buffer_outputs = [(i, o.target) for i, o in enumerate(captured.outputs) if o.kind == "buffer"]
+        if any(o.kind == "input" for o in captured.outputs):
+            raise ValueError("the model writes into its inputs in place; the fused step cannot return that")
+        # every tensor input of the graph, in order: trainable params, other (read-only) state,
+        # or batch leaves
+        group_of = {id(p): (i, g) for i, g in enumerate(owner.optimizer.param_groups) for p in g["params"]}
+        objective = owner._objective
+        self.slots: list[tuple[str, Any]] = []
+        self.trainable: list[tuple[str, Callable[[], torch.Tensor], _optim.ParamConfig, int]] = []
+        self.others: list[Callable[[], torch.Tensor]] = []
+        self.other_mutated: list[str | None] = []
+        self.batch_leaves: list[int] = []
+        for slot in captured.inputs:
+            if slot.kind == "literal":
+                continue
+            if slot.kind == "input":
+                self.slots.append(("batch", len(self.batch_leaves)))
+                self.batch_leaves.append(slot.leaf)
+                continue
+            resolve = _resolver(objective, slot, captured)
+            get = functools.partial(resolve, None)
+            tensor = get()
+            entry = group_of.get(id(tensor)) if slot.kind == "param" else None
+            if entry is not None and slot.used and tensor.requires_grad:
+                if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise TypeError(f"parameter {slot.name[len('model.'):]} is {tensor.dtype}; the fused step "
+                                    "trains float32 / bfloat16 / float16 parameters (model.float())")
+                group_index, group = entry
+                cfg = _optim.config(owner.kind, owner.optimizer, group)
+                self.slots.append(("param", len(self.trainable)))
+                self.trainable.append((slot.name, get, cfg, group_index))
+            else:
+                self.slots.append(("other", len(self.others)))
+                self.others.append(get)
+                self.other_mutated.append(slot.name if slot.mutated else None)
+        self.sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for _, get, _, _ in self.trainable]
+        other_sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for get in self.others]
+        if any(other_sharded):
+            raise ValueError("a ShardedEmbedding weight is frozen or not in the optimizer; the fused step "
+                             "only handles sharded weights it trains")
+        if not self.trainable:
+            raise ValueError("the fused step found no parameter to train: none of the model's parameters that "
+                             "the loss uses is in the optimizer with requires_grad=True")
+        self.configs = tuple(cfg for _, _, cfg, _ in self.trainable)
+        self.has_random = captured.has_random
+        run = lower(captured)
+        body = self._body(run)
+        param_specs = [P(AXIS) if s else P() for s in self.sharded]
+        state_specs = [tuple(spec for _ in cfg.state) for spec, cfg in zip(param_specs, self.configs)]
+        in_specs = (param_specs, P(), state_specs, P(), P(AXIS), P())
+        out_specs = (param_specs, P(), state_specs, P(AXIS))
+        self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs,
+                                per_device=True, name=f"train step ({type(owner.model).__name__})")
+
+    def _body(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        slots, configs, sharded = self.slots, self.configs, self.sharded
+        loss_position = self.loss_position
+        buffer_positions = [i for i, _ in self.buffer_outputs]
+        max_norm = self.owner.max_grad_norm
+        devices = self.owner.mesh.devices.size
+
+        def body(params, others, states, hyper, batch, seed):
+            index = lax.axis_index(AXIS)
+            device_seed = seed + index.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+
+            def objective(params):
+                arrays = [params[i] if kind == "param" else others[i] if kind == "other" else batch[i]
+                          for kind, i in slots]
+                outs = run(arrays, device_seed)
+                return outs[loss_position].reshape(()).astype(jnp.float32), [outs[i] for i in buffer_positions]
+
+            # differentiate each device's own loss: marked as varying over the axis, a replicated
+            # parameter's gradient is this device's alone (not implicitly summed by the transpose)
+            own = [p if s else lax.pcast(p, AXIS, to="varying") for p, s in zip(params, sharded)]
+            with over_axis(AXIS, devices):
+                (loss, buffers), grads = jax.value_and_grad(objective, has_aux=True)(own)
+            # replicated params: the mean of the devices' gradients (one all-reduce for all of them);
+            # sharded rows: their lookup's backward already summed over devices, so divide
+            replicated = [i for i, s in enumerate(sharded) if not s]
+            means = lax.pmean([grads[i] for i in replicated], AXIS)
+            for i, g in zip(replicated, means):
+                grads[i] = g
+            for i, s in enumerate(sharded):
+                if s:
+                    grads[i] = grads[i] / devices
+            if max_norm is not None:
+                grads = _clip(grads, sharded, max_norm)
+            new_params, new_states = [], []
+            for i, cfg in enumerate(configs):
+                p, s = _optim.update(cfg, params[i], grads[i], tuple(states[i]), hyper[i])
+                new_params.append(p)
+                new_states.append(s)
+            buffers = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
+                       for b in buffers]
+            return new_params, buffers, new_states, loss.reshape(1)
+        return body
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def __call__(self, tensors: list[Any]) -> torch.Tensor:
+        owner = self.owner
+        params, states, rows = self._train_state()
+        others = [(to_jax(get())) for get in self.others]
+        batch = [to_jax(tensors[leaf]) if isinstance(tensors[leaf], torch.Tensor) else np.asarray(tensors[leaf])
+                 for leaf in self.batch_leaves]
+        seed = _seed() if self.has_random else np.uint32(0)
+        hyper = np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS)
+        before = self.step.stats.compile_seconds
+        new_params, buffers, new_states, losses = self.step(params, others, states, hyper, batch, seed)
+        owner.stats.compile_seconds += self.step.stats.compile_seconds - before
+        self._write_back(new_params, new_states, buffers)
+        local = [np.asarray(s.data) for s in losses.addressable_shards]
+        return torch.tensor(float(np.mean(local)), dtype=torch.float32)
+
+    def _train_state(self) -> tuple[list[Any], list[tuple[Any, ...]], list[list[float]]]:
+        owner = self.owner
+        optimizer, tracked = owner.optimizer, owner._tracked
+        groups = optimizer.param_groups
+        params, states, rows = [], [], []
+        self._steps = []
+        for (name, get, cfg, group_index), sharded in zip(self.trainable, self.sharded):
+            p = get()
+            state = optimizer.state.get(p, {})
+            row, step = _optim.hyper_row(cfg, groups[group_index], state)
+            rows.append(row)
+            self._steps.append(step)
+            record = tracked.get((id(p), "param"))
+            if record is not None and record.fresh(p):
+                params.append(record.array)
+            else:
+                if record is not None:
+                    owner.stats.state_reloads += 1
+                params.append((to_jax(p)))
+            values = []
+            initial = None
+            for field in cfg.state:
+                current = state.get(field)
+                record = tracked.get((id(p), field))
+                if record is not None and current is record.view:
+                    values.append(record.array)
+                elif current is not None:
+                    owner.stats.state_reloads += record is not None
+                    values.append((to_jax(current)))
+                else:
+                    initial = initial or _optim.initial_state(cfg, p)
+                    values.append(initial[len(values)])
+            states.append(tuple(values))
+        return params, states, rows
+
+    def _write_back(self, new_params: list[jax.Array], new_states: list[tuple[jax.Array, ...]],
+                    buffers: list[jax.Array]) -> None:
+        owner = self.owner
+        optimizer, tracked = owner.optimizer, owner._tracked
+        for (name, get, cfg, _), sharded, array, state_arrays, step in zip(
+                self.trainable, self.sharded, new_params, new_states, self._steps):
+            p = get()
+            with torch.no_grad():
+                p.data = _view(array, p.dtype, sharded)
+            tracked[(id(p), "param")] = _Tracked(array, p)
+            if not cfg.state:
+                continue  # plain SGD keeps no state; torch leaves optimizer.state empty too
+            state = optimizer.state[p]
+            for field, value in zip(cfg.state, state_arrays):
+                view = _view(value, p.dtype, sharded)
+                state[field] = view
+                tracked[(id(p), field)] = _Tracked(value, view)
+            if cfg.kind == "adam":
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+        with torch.no_grad():
+            for (_, target), value in zip(self.buffer_outputs, buffers):
+                buffer = _buffer(owner._objective, target)
+                buffer.copy_(to_torch(value.addressable_data(0), buffer.dtype))
+        if hasattr(optimizer, "_opt_called"):
+            optimizer._opt_called = True  # an LR scheduler's "step() before optimizer.step()" check
+
+
+def _view(array: jax.Array, dtype: torch.dtype, sharded: bool) -> torch.Tensor:
+    """This process's part of a global array as a torch tensor (zero-copy for one local device)."""
+    shards = array.addressable_shards
+    if not sharded or len(shards) == 1:
+        return to_torch(shards[0].data, dtype)
+    ordered = sorted(shards, key=lambda s: s.index[0].start or 0)
+    return torch.cat([to_torch(s.data, dtype) for s in ordered])
+
+
+def _buffer(objective: torch.nn.Module, target: str) -> torch.Tensor:
+    path, _, attr = target.rpartition(".")
+    return (objective.get_submodule(path) if path else objective)._buffers[attr]
+
+
+def _clip(grads: list[Any], sharded: list[bool], max_norm: float) -> list[Any]:
+    """torch.nn.utils.clip_grad_norm_ on the averaged gradients (sharded rows summed over devices)."""
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads]
+    replicated = sum((s for s, sh in zip(squares, sharded) if not sh), jnp.float32(0))
+    split = sum((s for s, sh in zip(squares, sharded) if sh), jnp.float32(0))
+    total = jnp.sqrt(replicated + (lax.psum(split, AXIS) if any(sharded) else 0.0))
+    coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
+    return [(g * coef).astype(g.dtype) for g in grads]
