@@ -1,15 +1,22 @@
-"""Benchmark: one training step (forward + backward) of each reference model, compiled through
-tpudist's torch -> XLA bridge vs eager torch, side by side in one run, on this machine's CPU.
+"""Benchmark: training steps of each reference model through tpudist's torch -> XLA bridge vs
+eager torch, and the fused data-parallel step vs torch DDP, side by side in one run, on this CPU.
 
-    python scripts/bench_torch.py                       # all models, batch 64 and 256
+    python scripts/bench_torch.py                       # all models, batch 64 and 256, then DDP
     python scripts/bench_torch.py --models mlp --batches 64 --json bench-results/torch.json
 
-A step is `zero_grad(); loss = model_with_loss(*inputs, target); loss.backward()` for both sides
-(the optimizer update is the same torch code for both and is left out). Each side runs warm-up
-steps (the compiled side compiles in the first), then `--repeats` timed runs of `--steps` steps;
-the best run is reported, since on a shared machine noise only ever adds time, and the two
-sides alternate run by run so that load from other processes hits both alike.
-Prints a table, then the JSON (also written to --json when given).
+Single process, two comparisons per model and batch:
+- forward+backward: `zero_grad(); loss = model_with_loss(*inputs, target); loss.backward()`,
+  eager vs `tpudist.compile(model)` (the optimizer update is left out of both);
+- a whole training step with SGD (momentum 0.9): eager `zero_grad / forward / backward /
+  opt.step()` vs `tpudist.compile_train_step` (everything in one XLA executable).
+Data parallel (`--dp-processes`, default 2, spawned with tpudist.spawn): torch
+DistributedDataParallel over gloo vs the fused step, each process on its share of the global
+batch, same model and optimizer.
+
+Each side runs warm-up steps (compiled sides compile in the first), then `--repeats` timed runs
+of `--steps` steps; the best run is reported, since on a shared machine noise only ever adds
+time, and the sides alternate run by run so that load from other processes hits them alike.
+Prints the tables, then the JSON (also written to --json when given).
 """
 
 from __future__ import annotations
@@ -54,54 +61,135 @@ def _step_fn(module: torch.nn.Module, params: list[torch.nn.Parameter], inputs: 
     return step
 
 
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _eager_train_step(model: torch.nn.Module, loss_fn, opt: torch.optim.Optimizer, inputs: tuple,
+                      target: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(*inputs), target).backward()
+        opt.step()
+    return step
+
+
 def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int) -> dict[str, Any]:
-    """One row: eager and compiled ms/step for `name` at `batch`, plus the compiled side's compile time."""
+    """One row for `name` at `batch`: forward+backward ms/step eager vs `tpudist.compile`d, and a
+    whole training step (forward, backward, SGD momentum) eager vs the fused XLA step."""
     ref = REFERENCES[name]
     torch.manual_seed(0)
     model = ref.build("bench")
     inputs, target = ref.batch("bench", batch, torch.Generator().manual_seed(0))
     eager = WithLoss(copy.deepcopy(model), ref.loss)
+    train_model = copy.deepcopy(model)
+    fused_model = copy.deepcopy(model)
     compiled = tpudist.compile(WithLoss(model, ref.loss))
 
     eager_step = _step_fn(eager, list(eager.parameters()), inputs, target)
     compiled_step = _step_fn(compiled, list(model.parameters()), inputs, target)
+    eager_train = _eager_train_step(train_model, ref.loss, _sgd(train_model.parameters()), inputs, target)
+    fused = tpudist.compile_train_step(fused_model, ref.loss, _sgd(fused_model.parameters()))
+    batch_tuple = (*inputs, target)
+
+    def fused_step() -> None:
+        fused(batch_tuple)
+
     start = time.perf_counter()
     compiled_step()  # capture + XLA compile of forward and backward
     first_call = time.perf_counter() - start
+    start = time.perf_counter()
+    fused_step()
+    fused_first = time.perf_counter() - start
     for _ in range(warmup):
-        eager_step()
-        compiled_step()
-    times = _time_interleaved({"eager": eager_step, "compiled": compiled_step}, steps, repeats)
-    eager_s, compiled_s = times["eager"], times["compiled"]
+        for step in (eager_step, compiled_step, eager_train, fused_step):
+            step()
+    times = _time_interleaved({"eager": eager_step, "compiled": compiled_step, "eager_train": eager_train,
+                               "fused": fused_step}, steps, repeats)
     assert compiled.stats.compiles == 1, compiled.stats
+    assert fused.stats.compiles == 1, fused.stats
     return {
         "model": name, "batch": batch,
         "params": sum(p.numel() for p in model.parameters()),
-        "eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3,
-        "speedup": eager_s / compiled_s,
-        "first_call_s": first_call, "capture_s": compiled.stats.capture_seconds,
+        "eager_ms": times["eager"] * 1e3, "compiled_ms": times["compiled"] * 1e3,
+        "speedup": times["eager"] / times["compiled"],
+        "eager_train_ms": times["eager_train"] * 1e3, "fused_train_ms": times["fused"] * 1e3,
+        "fused_speedup": times["eager_train"] / times["fused"],
+        "first_call_s": first_call, "fused_first_call_s": fused_first,
+        "capture_s": compiled.stats.capture_seconds,
     }
 
 
-def bench_fused_data_parallel(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Hook for the second half of this benchmark: the fused data-parallel step
-    (`tpudist.compile_train_step`: forward, backward, in-graph gradient all-reduce and optimizer
-    update in one XLA executable) over 2 processes vs torch DDP (gloo) on the same global batch.
-    It needs the runtime's collectives and `tpudist.spawn`; until they exist it reports why not."""
+def _data_parallel_worker(index: int, models: list[str], batches: list[int], steps: int, repeats: int,
+                          warmup: int, threads: int) -> list[dict[str, Any]]:
+    """In each of the spawned processes: torch DDP (gloo) and the fused step on the same model,
+    optimizer and per-process half of the global batch, timed alternately."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method="env://")   # tpudist's contract sets MASTER_ADDR/PORT
+    count = dist.get_world_size()
+    rows = []
     try:
-        tpudist.compile_train_step  # noqa: B018
-        tpudist.spawn  # noqa: B018
-    except (AttributeError, ImportError) as exc:
-        return [{"fused": "skipped", "reason": f"{type(exc).__name__}: {exc}"}]
-    return [{"fused": "skipped", "reason": "fused data-parallel benchmark not written yet"}]
+        for name in models:
+            for global_batch in batches:
+                ref = REFERENCES[name]
+                torch.manual_seed(0)
+                model = ref.build("bench")
+                ddp = DistributedDataParallel(copy.deepcopy(model))
+                inputs, target = ref.batch("bench", global_batch // count, torch.Generator().manual_seed(index))
+                ddp_step = _eager_train_step(ddp, ref.loss, _sgd(ddp.parameters()), inputs, target)
+                fused = tpudist.compile_train_step(model, ref.loss, _sgd(model.parameters()))
+                batch_tuple = (*inputs, target)
+
+                def fused_step() -> None:
+                    fused(batch_tuple)
+
+                start = time.perf_counter()
+                fused_step()
+                first = time.perf_counter() - start
+                for _ in range(warmup):
+                    ddp_step()
+                    fused_step()
+                times = _time_interleaved({"ddp": ddp_step, "fused": fused_step}, steps, repeats)
+                rows.append({"model": name, "global_batch": global_batch, "processes": count,
+                             "ddp_ms": times["ddp"] * 1e3, "fused_ms": times["fused"] * 1e3,
+                             "speedup": times["ddp"] / times["fused"], "fused_first_call_s": first})
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def bench_fused_data_parallel(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The fused data-parallel step (`tpudist.compile_train_step`: forward, backward, in-graph
+    gradient all-reduce and SGD-momentum update in one XLA executable) vs torch DDP (gloo, eager
+    forward/backward/step) over `--dp-processes` local processes, each on its share of the
+    global batch. Rank 0's timings (the processes run in lockstep)."""
+    results = tpudist.spawn(_data_parallel_worker, nprocs=args.dp_processes, cpu_devices=1, timeout=3600,
+                            args=(args.models, args.batches, args.steps, args.repeats, args.warmup,
+                                  args.dp_torch_threads))
+    return results[0]
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'model':<14}{'batch':>6}{'params':>10}{'eager ms':>11}{'compiled ms':>13}{'speedup':>9}{'1st call s':>12}"
-    lines = [header, "-" * len(header)]
+    header = (f"{'model':<14}{'batch':>6}{'params':>10}{'eager fb ms':>12}{'compiled fb':>12}{'ratio':>8}"
+              f"{'eager step':>12}{'fused step':>12}{'ratio':>8}")
+    lines = ["forward+backward (fb) and whole SGD-momentum train step, ms; ratio = eager / compiled "
+             "(>1: compiled faster)", header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['model']:<14}{r['batch']:>6}{r['params']:>10}{r['eager_ms']:>11.2f}"
-                     f"{r['compiled_ms']:>13.2f}{r['speedup']:>8.2f}x{r['first_call_s']:>12.1f}")
+        lines.append(f"{r['model']:<14}{r['batch']:>6}{r['params']:>10}{r['eager_ms']:>12.2f}"
+                     f"{r['compiled_ms']:>12.2f}{r['speedup']:>7.2f}x{r['eager_train_ms']:>12.2f}"
+                     f"{r['fused_train_ms']:>12.2f}{r['fused_speedup']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def _dp_table(rows: list[dict[str, Any]]) -> str:
+    header = f"{'model':<14}{'global batch':>13}{'procs':>6}{'DDP ms':>10}{'fused ms':>10}{'ratio':>8}"
+    lines = ["data parallel: torch DDP (gloo) vs the fused XLA step, ms per step; ratio = DDP / fused",
+             header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['model']:<14}{r['global_batch']:>13}{r['processes']:>6}{r['ddp_ms']:>10.2f}"
+                     f"{r['fused_ms']:>10.2f}{r['speedup']:>7.2f}x")
     return "\n".join(lines)
 
 
@@ -114,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the eager side "
                         "(default: torch's own choice; with other processes on the cores, fewer threads can be faster)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dp-processes", type=int, default=2, help="processes of the DDP vs fused comparison")
+    parser.add_argument("--dp-torch-threads", type=int, default=1,
+                        help="torch threads per DDP process (default 1: the processes share the cores)")
+    parser.add_argument("--skip-single", action="store_true", help="only the data-parallel comparison")
+    parser.add_argument("--skip-dp", action="store_true", help="only the single-process comparison")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -121,23 +214,28 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     load_before = list(os.getloadavg())
     rows = []
-    for name in args.models:
+    for name in ([] if args.skip_single else args.models):
         for batch in args.batches:
             rows.append(bench_model(name, batch, args.steps, args.repeats, args.warmup))
             print(f"  {name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, "
-                  f"compiled {rows[-1]['compiled_ms']:.2f} ms", file=sys.stderr, flush=True)
+                  f"compiled {rows[-1]['compiled_ms']:.2f} ms, eager train step {rows[-1]['eager_train_ms']:.2f} ms, "
+                  f"fused {rows[-1]['fused_train_ms']:.2f} ms", file=sys.stderr, flush=True)
+    dp_rows = [] if args.skip_dp else bench_fused_data_parallel(args)
     import jax
     result = {
-        "benchmark": "torch forward+backward step: tpudist.compile (XLA) vs eager torch",
+        "benchmark": "torch training step: tpudist.compile / compile_train_step (XLA) vs eager torch and DDP",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
                     "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
         "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup},
         "rows": rows,
-        "fused_data_parallel": bench_fused_data_parallel(args),
+        "fused_data_parallel": dp_rows,
     }
-    print(_table(rows))
+    if rows:
+        print(_table(rows))
+    if dp_rows:
+        print(_dp_table(dp_rows))
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -133,6 +134,20 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     return step
 
 
+# fit's fused steps, kept per model so that calling fit once per epoch (to evaluate or step an LR
+# schedule in between) compiles once, not once per call
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                    optimizer: torch.optim.Optimizer) -> StepFn:
+    steps = _FUSED.setdefault(model, {})
+    key = (id(loss_fn), id(optimizer))
+    if key not in steps or steps[key][0] is not loss_fn or steps[key][1] is not optimizer:
+        steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer))
+    return steps[key][2]
+
+
 def _my_batches(loader: Iterable[Any], rank: int, count: int) -> Iterator[Any]:
     """Batch i goes to process i % count; a last round with fewer than `count` batches is dropped
     so that every process runs the same number of steps (their collectives must line up)."""
@@ -235,7 +250,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
     rank, count = tpudist.process_index(), tpudist.process_count()
-    step = step_fn if step_fn is not None else compile_train_step(model, loss_fn, optimizer)
+    step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer)
     total = _check_lengths(loader, shard)
     bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
                     log and rank == 0)

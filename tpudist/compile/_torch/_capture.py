@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +74,9 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     (naming the op and its module path) when the graph holds an op the registry cannot lower.
     """
     start = time.perf_counter()
-    with torch.enable_grad():
+    with torch.enable_grad(), warnings.catch_warnings():
+        # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             program = torch.export.export(module, args, kwargs, strict=False)
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"

@@ -351,8 +351,9 @@ class _FusedProgram:
             for (_, target), value in zip(self.buffer_outputs, buffers):
                 buffer = _buffer(owner._objective, target)
                 buffer.copy_(to_torch(value.addressable_data(0), buffer.dtype))
-        if hasattr(optimizer, "_opt_called"):
-            optimizer._opt_called = True  # an LR scheduler's "step() before optimizer.step()" check
+        # what torch.optim's step wrapper records, read by LR schedulers' "lr_scheduler.step()
+        # before optimizer.step()" warning: the update did run, inside the executable
+        optimizer._opt_called = True
 
 
 def _view(array: jax.Array, dtype: torch.dtype, sharded: bool) -> torch.Tensor:
