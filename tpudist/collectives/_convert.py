@@ -76,7 +76,7 @@ def _checked(dtype: np.dtype, x: Any) -> np.dtype:
 _DL_CPU = 1  # DLPack's kDLCPU
 
 
-def _import(buffer: Any, device: Any) -> jax.Array | None:
+def import_buffer(buffer: Any, device: Any) -> jax.Array | None:
     """Wraps a CPU buffer (torch tensor, numpy array) as an XLA buffer on `device`, without a copy.
 
     jax.dlpack.from_dlpack does the same but then dispatches a dtype canonicalization that costs
@@ -106,7 +106,7 @@ def to_block(x: Any, leaf: Leaf, device: Any) -> jax.Array:
         host = host.contiguous().reshape(block_shape)
     else:
         host = np.ascontiguousarray(np.asarray(x, dtype=leaf.dtype)).reshape(block_shape)
-    arr = _import(host, device) if device.platform == "cpu" else None
+    arr = import_buffer(host, device) if device.platform == "cpu" else None
     if arr is None:
         arr = jax.device_put(jax.dlpack.from_dlpack(host) if leaf.kind == "torch" else host, device)
     return arr

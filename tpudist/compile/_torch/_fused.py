@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch import _optim
 from tpudist.compile._torch._capture import capture
-from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.collectives._convert import import_buffer
+from tpudist.collectives._engine import assemble
+from tpudist.compile._torch._convert import _NARROW, to_torch
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
 from tpudist.compile._torch._program import _resolver, _seed
@@ -232,6 +234,20 @@ class _FusedProgram:
         out_specs = (param_specs, P(), state_specs, P(AXIS))
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs,
                                 per_device=True, name=f"train step ({type(owner.model).__name__})")
+        self._executable: Any = None
+        # arguments are made global here, directly from this process's pieces (faster per step than
+        # the general path of compile_jax); this needs the processes' devices in process-major
+        # order along "data", which is how make_mesh lays out one axis
+        mesh, me = owner.mesh, jax.process_index()
+        order = list(mesh.devices.flat)
+        self._devices = [d for d in order if d.process_index == me]
+        first = order.index(self._devices[0])
+        if order[first:first + len(self._devices)] != self._devices:
+            raise ValueError(f"rank {me}: this process's devices are not contiguous along the mesh's "
+                             f"{AXIS!r} axis; build the mesh with tpudist.mesh.make_mesh({{{AXIS!r}: -1}})")
+        self._replicated = NamedSharding(mesh, P())
+        self._split = NamedSharding(mesh, P(AXIS))
+        self._total = mesh.devices.size
 
     def _body(self, run: Callable[..., Any]) -> Callable[..., Any]:
         slots, configs, sharded = self.slots, self.configs, self.sharded
@@ -281,17 +297,35 @@ class _FusedProgram:
     def __call__(self, tensors: list[Any]) -> torch.Tensor:
         owner = self.owner
         params, states, rows = self._train_state()
-        others = [(to_jax(get())) for get in self.others]
-        batch = [to_jax(tensors[leaf]) if isinstance(tensors[leaf], torch.Tensor) else np.asarray(tensors[leaf])
-                 for leaf in self.batch_leaves]
-        seed = _seed() if self.has_random else np.uint32(0)
-        hyper = np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS)
-        before = self.step.stats.compile_seconds
-        new_params, buffers, new_states, losses = self.step(params, others, states, hyper, batch, seed)
-        owner.stats.compile_seconds += self.step.stats.compile_seconds - before
+        others = [self._global(get(), split=False) for get in self.others]
+        batch = [self._global(tensors[leaf], split=True) for leaf in self.batch_leaves]
+        seed = self._global(_seed() if self.has_random else np.uint32(0), split=False)
+        hyper = self._global(np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS), split=False)
+        args = (params, others, states, hyper, batch, seed)
+        if self._executable is None:
+            self._executable = self.step.compiled(*args)
+            owner.stats.compile_seconds += self.step.stats.compile_seconds
+        new_params, buffers, new_states, losses = self._executable(*args)
         self._write_back(new_params, new_states, buffers)
         local = [np.asarray(s.data) for s in losses.addressable_shards]
         return torch.tensor(float(np.mean(local)), dtype=torch.float32)
+
+    def _global(self, value: Any, split: bool) -> jax.Array:
+        """This process's `value` (torch, numpy or a global array) as a global array on the mesh:
+        the same on every device (`split=False`), or its rows split over this process's devices.
+        CPU tensors are wrapped without a copy (XLA only reads its arguments)."""
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            return value
+        devices = self._devices
+        host = _host(value)
+        if split:
+            rows = host.shape[0] // len(devices)
+            pieces = [host[i * rows:(i + 1) * rows] for i in range(len(devices))]
+            shape = (rows * self._total, *host.shape[1:])
+        else:
+            pieces, shape = [host] * len(devices), tuple(host.shape)
+        shards = [_on_device(piece, device) for piece, device in zip(pieces, devices)]
+        return assemble(shape, self._split if split else self._replicated, shards)
 
     def _train_state(self) -> tuple[list[Any], list[tuple[Any, ...]], list[list[float]]]:
         owner = self.owner
@@ -311,7 +345,7 @@ class _FusedProgram:
             else:
                 if record is not None:
                     owner.stats.state_reloads += 1
-                params.append((to_jax(p)))
+                params.append(self._global(p, split=sharded))
             values = []
             initial = None
             for field in cfg.state:
@@ -321,10 +355,10 @@ class _FusedProgram:
                     values.append(record.array)
                 elif current is not None:
                     owner.stats.state_reloads += record is not None
-                    values.append((to_jax(current)))
+                    values.append(self._global(current, split=sharded))
                 else:
                     initial = initial or _optim.initial_state(cfg, p)
-                    values.append(initial[len(values)])
+                    values.append(self._global(initial[len(values)], split=sharded))
             states.append(tuple(values))
         return params, states, rows
 
@@ -354,6 +388,26 @@ class _FusedProgram:
         # what torch.optim's step wrapper records, read by LR schedulers' "lr_scheduler.step()
         # before optimizer.step()" warning: the update did run, inside the executable
         optimizer._opt_called = True
+
+
+def _host(value: Any) -> Any:
+    """A contiguous CPU torch tensor or numpy array of `value` in the dtype XLA computes it in."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype in _NARROW:
+            t = t.to(_NARROW[t.dtype])
+        return t.cpu().contiguous()
+    array = np.asarray(value)
+    return np.ascontiguousarray(array, dtype=jax.dtypes.canonicalize_dtype(array.dtype))
+
+
+def _on_device(piece: Any, device: Any) -> jax.Array:
+    if isinstance(piece, torch.Tensor) and not piece.is_contiguous():
+        piece = piece.contiguous()
+    array = import_buffer(piece, device) if device.platform == "cpu" else None
+    if array is None:
+        array = jax.device_put(jax.dlpack.from_dlpack(piece) if isinstance(piece, torch.Tensor) else piece, device)
+    return array
 
 
 def _view(array: jax.Array, dtype: torch.dtype, sharded: bool) -> torch.Tensor:
