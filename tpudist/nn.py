@@ -9,10 +9,10 @@
     tpudist.optimizer_step(opt)        # averages replicated grads; scales the sharded rows' grads
 
 This is the embedding for data-parallel PyTorch programs. It runs in eager torch (its collectives
-are tpudist's eager ones, with autograd) and inside the fused train step
-(`tpudist.compile_train_step`, `tpudist.fit`), where its lookup becomes in-graph collectives. A
-plain `tpudist.compile(module)` runs each process's graph alone and rejects it. The JAX
-embedding is `tpudist.ShardedEmbedding` (tpudist/compile/_embedding.py).
+are tpudist's eager ones, with autograd), under `tpudist.compile(model)` (the graph then runs as
+one program over the processes) and inside the fused train step (`tpudist.compile_train_step`,
+`tpudist.fit`); compiled, its lookup is in-graph collectives. The JAX embedding is
+`tpudist.ShardedEmbedding` (tpudist/compile/_embedding.py).
 """
 
 from __future__ import annotations

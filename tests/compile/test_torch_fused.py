@@ -178,10 +178,17 @@ def test_errors_name_the_problem_and_the_fix():
             (x.double(), y))
 
 
-def test_plain_compile_rejects_sharded_embedding_and_points_to_the_fused_step():
+def test_compiled_module_with_sharded_embedding_equals_eager_in_one_process():
+    torch.manual_seed(5)
     model = nn.Sequential(tpudist.nn.ShardedEmbedding(10, 4, mode="sum"), nn.Linear(4, 1))
-    with pytest.raises(tpudist.compile.UnsupportedOpError, match=r"ShardedEmbedding.*compile_train_step"):
-        tpudist.compile(model)(torch.tensor([[1, 2], [3, 4]]))
+    compiled = tpudist.compile(copy.deepcopy(model))
+    ids = torch.tensor([[1, 2], [9, 9], [0, 5]])
+    out, want = compiled(ids), model(ids)
+    np.testing.assert_allclose(out.detach().numpy(), want.detach().numpy(), rtol=1e-6)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(compiled.module.named_parameters(), model.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # -- data parallel: 2 processes x 2 CPU devices ------------------------------------------------------
@@ -225,6 +232,17 @@ def on_rank() -> dict:
         step((ids[mine], y[mine]))
     out["bag_table"] = model.emb.full_weight().numpy()
     out["bag_head"] = {k: v.numpy().copy() for k, v in model.head.state_dict().items()}
+    # the same model under a plain tpudist.compile, stepped by optimizer_step: one program over the processes
+    model = BagModel(tpudist.nn.ShardedEmbedding.from_dense(dense_table(), mode="mean"))
+    compiled = tpudist.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    for ids, y in bag_data():
+        opt.zero_grad()
+        F.mse_loss(compiled(ids[mine]), y[mine]).backward()
+        tpudist.optimizer_step(opt)
+    out["compiled_bag_table"] = model.emb.full_weight().numpy()
+    out["compiled_bag_head"] = {k: v.numpy().copy() for k, v in model.head.state_dict().items()}
+    out["compiled_bag_compiles"] = compiled.stats.compiles
     return out
 
 
@@ -244,15 +262,19 @@ def test_data_parallel_fused_step_equals_one_process_on_the_global_batch(ranks, 
     np.testing.assert_allclose(np.mean([r[name] for r in ranks], axis=0), ref_losses, rtol=1e-5)
 
 
-def test_sharded_embedding_trains_inside_the_fused_step_like_a_dense_bag(ranks):
+@pytest.mark.parametrize("how", ["bag", "compiled_bag"])
+def test_sharded_embedding_trains_compiled_like_a_dense_bag(ranks, how):
+    """`bag`: inside the fused step; `compiled_bag`: a plain tpudist.compile(model) + optimizer_step."""
     ref = BagModel(nn.EmbeddingBag.from_pretrained(dense_table(), freeze=False, mode="mean"))
     eager_train(ref, torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.5), bag_data(), loss_fn=F.mse_loss)
     for rank, result in enumerate(ranks):
-        np.testing.assert_allclose(result["bag_table"], ref.emb.weight.detach().numpy(), rtol=1e-5, atol=2e-6,
+        np.testing.assert_allclose(result[f"{how}_table"], ref.emb.weight.detach().numpy(), rtol=1e-5, atol=2e-6,
                                    err_msg=f"rank {rank} table")
-        for key, value in result["bag_head"].items():
+        for key, value in result[f"{how}_head"].items():
             np.testing.assert_allclose(value, ref.head.state_dict()[key].numpy(), rtol=1e-5, atol=2e-6,
                                        err_msg=f"rank {rank} head.{key}")
+    if how == "compiled_bag":
+        assert [r["compiled_bag_compiles"] for r in ranks] == [1, 1]
 
 
 def test_torch_example_trains_through_the_launcher():

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from tpudist.compile._torch._custom_ops import STOP_GRADIENT
+from tpudist.compile._torch._custom_ops import COLLECTIVE_OPS, STOP_GRADIENT
 from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, lookup, unsupported_message
 
 
@@ -57,6 +57,7 @@ class Captured:
     out_spec: Any             # pytree spec of the user outputs
     constants: dict[str, torch.Tensor]
     has_random: bool
+    collective: bool = False  # holds ops that reach other processes (ShardedEmbedding's lookup)
     seconds: float = 0.0
     op_counts: dict[str, int] = field(default_factory=dict)
 
@@ -188,8 +189,10 @@ def _plumbing(program: torch.export.ExportedProgram) -> Captured:
     for n in ops:
         counts[str(n.target)] = counts.get(str(n.target), 0) + 1
     has_random = any(getattr(lookup(n.target), "random", False) for n in ops if n.target is not operator.getitem)
+    collective = any(n.target in COLLECTIVE_OPS for n in ops)
     return Captured(graph=program.graph, inputs=inputs, outputs=outputs, out_spec=program.call_spec.out_spec,
-                    constants=dict(program.constants), has_random=has_random, op_counts=counts)
+                    constants=dict(program.constants), has_random=has_random, collective=collective,
+                    op_counts=counts)
 
 
 def _describe(args: tuple, kwargs: dict) -> str:

@@ -41,3 +41,6 @@ def _sharded_embedding_lookup_fake(block: torch.Tensor, ids: torch.Tensor, mode:
 
 
 SHARDED_EMBEDDING_LOOKUP = torch.ops.tpudist.sharded_embedding_lookup.default
+
+# ops that reach other processes: a graph holding one runs as one program over the processes
+COLLECTIVE_OPS = frozenset({SHARDED_EMBEDDING_LOOKUP})

@@ -18,6 +18,7 @@ from tpudist.compile._torch._autograd import XlaCall, XlaFunction
 from tpudist.compile._torch._capture import Captured
 from tpudist.compile._torch._convert import ViewCache, to_jax, to_torch
 from tpudist.compile._torch._lower import lower
+from tpudist.compile._torch._spmd import ProcessMesh
 
 
 class Program:
@@ -40,9 +41,16 @@ class Program:
         self.float_output_dtypes = [outputs[i].dtype for i in self._float]
         # fresh callables per program: jit caches per underlying function, and executables()
         # must count this program's executables only
-        self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
-        self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
-        self._backward = jax.jit(lambda vjp, cotangents: _apply_vjp(vjp, cotangents))
+        self._spmd = ProcessMesh(self._run) if captured.collective else None
+        if self._spmd is None:
+            self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
+            self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
+            self._backward = jax.jit(lambda vjp, cotangents: _apply_vjp(vjp, cotangents))
+        else:
+            # one SPMD program over the processes (see _spmd); backward recomputes the forward
+            self._forward = jax.jit(lambda arrays, seed: self._spmd.run(arrays, seed))
+            self._forward_with_vjp = self._forward
+            self._backward = jax.jit(self._spmd_backward, static_argnums=0)
 
     # -- executables ---------------------------------------------------------------------------
 
@@ -57,17 +65,47 @@ class Program:
         primal, vjp, rest = jax.vjp(differentiable, [arrays[p] for p in diff], has_aux=True)
         return primal, rest, vjp
 
+    def _spmd_backward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array,
+                       cotangents: list[jax.Array]) -> list[jax.Array]:
+        def differentiable(diff_arrays):
+            full = list(arrays)
+            for position, value in zip(diff, diff_arrays):
+                full[position] = value
+            outs = self._spmd.run(full, seed)
+            return [outs[i] for i in self._float]
+
+        _, vjp = jax.vjp(differentiable, [arrays[p] for p in diff])
+        return _apply_vjp(vjp, cotangents)
+
     def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any):
         """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`."""
-        return self._forward_with_vjp(diff, arrays, seed)
+        if self._spmd is None:
+            return self._forward_with_vjp(diff, arrays, seed)
+        spmd = self._spmd
+        arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
+        outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
+
+        def vjp(cotangents: list[jax.Array]) -> list[jax.Array]:
+            grads = self._backward(diff, arrays, seed, [spmd.to_global(c) for c in cotangents])
+            return [spmd.to_local(g) for g in grads]
+        return [outs[i] for i in self._float], [outs[i] for i in self._rest], vjp
 
     def backward(self, vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
         """Gradients of the differentiated inputs: one XLA executable."""
+        if self._spmd is not None:
+            return vjp(cotangents)
         return self._backward(vjp, cotangents)
+
+    def _plain_forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
+        if self._spmd is None:
+            return self._forward(arrays, seed)
+        spmd = self._spmd
+        outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
+        return [spmd.to_local(o) for o in outs]
 
     def executables(self) -> int:
         """How many XLA executables this program has compiled so far (0 where JAX cannot say)."""
-        jitted = (self._forward, self._forward_with_vjp, self._backward)
+        jitted = {id(f): f for f in (self._forward, self._forward_with_vjp, self._backward)}.values()
         return sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted)
 
     # -- one call ------------------------------------------------------------------------------
@@ -88,7 +126,7 @@ class Program:
             rest = call.rest
         else:
             # converting an output to torch waits for it; by then XLA is done reading the inputs
-            results = self._forward(arrays, seed)
+            results = self._plain_forward(arrays, seed)
             floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
             rest = [results[i] for i in self._rest]
         for i, value in zip(self._float, floats):

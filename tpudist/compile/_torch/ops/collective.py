@@ -1,8 +1,8 @@
 """Ops that talk to other devices: `tpudist.nn.ShardedEmbedding`'s lookup.
 
-They lower to in-graph collectives over the mesh axis of the step being traced, which the fused
-train step announces with `over_axis`; anywhere else (a plain `tpudist.compile(module)`, whose
-graph runs on each process alone) they are unsupported.
+They lower to in-graph collectives over the mesh axis of the program being traced, which its
+builder announces with `over_axis`: the fused train step (axis "data" over every device), or a
+compiled module's graph holding such an op (run over one device per process, see `_spmd`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ def sharded_embedding_lookup(block, ids, mode):
     where = _AXIS.get()
     if where is None:
         raise UnsupportedOpError(
-            "torch -> XLA: tpudist.nn.ShardedEmbedding's lookup reaches every process's rows, so it runs "
-            "in eager torch or inside the fused train step (tpudist.compile_train_step, tpudist.fit); a "
-            "plain tpudist.compile(module) runs each process's graph on its own")
+            "torch -> XLA: tpudist.nn.ShardedEmbedding's lookup reaches every process's rows; it lowers "
+            "only inside a program over the processes (tpudist.compile(module), compile_train_step, fit)")
     axis, devices = where
     # device d holds rows [d * R, (d + 1) * R) of the padded table: one "table" of devices * R rows
     layout = Layout(sizes=(devices * block.shape[0],), shards=devices)
