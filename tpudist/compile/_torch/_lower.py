@@ -47,7 +47,29 @@ def lower(captured: Captured) -> Callable[[Sequence[jax.Array], jax.Array], tupl
     return run
 
 
+def _broadcast_matrix(operand: Any) -> torch.fx.Node | None:
+    """The 2-D tensor that a bmm operand merely repeats over the batch, or None.
+
+    Decomposing `linear` / `matmul` on a non-contiguous 3-D input (MultiheadAttention's input
+    projection, for one) gives `bmm(x, view(expand(w, [b, k, n])))`: b small matrix products
+    against one weight. One (b*m, k) x (k, n) product computes the same and is far faster on XLA."""
+    node = operand
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.view.default:
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.target is not torch.ops.aten.expand.default:
+        return None
+    source = node.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if isinstance(value, torch.Tensor) and value.ndim == 2 and list(node.args[1][1:]) == list(value.shape):
+        return source
+    return None
+
+
 def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
+    if node.target is torch.ops.aten.bmm.default:
+        weight = _broadcast_matrix(node.args[1])
+        if weight is not None:
+            return _conform(jnp.matmul(_read(node.args[0], env), env[weight]), node)
     lowering = lookup(node.target)
     assert lowering is not None, f"{node.target} passed capture's op check but has no lowering"
     args = [_read(a, env) for a in node.args]
