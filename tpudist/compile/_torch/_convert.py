@@ -7,10 +7,15 @@ would have produced. Same-width tensors cross through DLPack, zero-copy on CPU.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+
+from tpudist.collectives._convert import import_buffer
 
 _TORCH_TO_NUMPY = {
     torch.float32: np.dtype(np.float32),
@@ -53,7 +58,16 @@ def to_jax(tensor: torch.Tensor, copy: bool = False) -> jax.Array:
         t = t.clone()
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.device.type == "cpu":
+        array = import_buffer(t, _cpu_device())  # the direct import: ~10x cheaper than from_dlpack
+        if array is not None:
+            return array
     return jax.dlpack.from_dlpack(t)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_device() -> Any:
+    return jax.local_devices(backend="cpu")[0]
 
 
 def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
