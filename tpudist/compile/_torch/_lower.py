@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from tpudist.compile._torch._capture import Captured, module_path
 from tpudist.compile._torch._convert import jax_dtype
@@ -65,11 +66,42 @@ def _broadcast_matrix(operand: Any) -> torch.fx.Node | None:
     return None
 
 
+def _transposed_matrix(operand: Any) -> torch.fx.Node | None:
+    """The 2-D tensor `w` when a matmul operand is `w.t()` (`permute(w, [1, 0])`), else None.
+
+    `linear` decomposes to `addmm(b, x, permute(w, [1, 0]))`. Contracting x with w's second
+    dimension directly gives XLA the same product, and makes autodiff keep `w` itself for the
+    backward instead of a transposed copy, which the forward would otherwise have to write out
+    every step (one copy of every weight matrix)."""
+    if not isinstance(operand, torch.fx.Node) or operand.target not in (
+            torch.ops.aten.permute.default, torch.ops.aten.t.default):
+        return None
+    if operand.target is torch.ops.aten.permute.default and list(operand.args[1]) != [1, 0]:
+        return None
+    source = operand.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    return source if isinstance(value, torch.Tensor) and value.ndim == 2 else None
+
+
+def _matmul_transposed(a: Any, w: Any) -> Any:
+    return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
+
+
 def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
-    if node.target is torch.ops.aten.bmm.default:
+    aten = torch.ops.aten
+    if node.target is aten.bmm.default:
         weight = _broadcast_matrix(node.args[1])
         if weight is not None:
             return _conform(jnp.matmul(_read(node.args[0], env), env[weight]), node)
+    elif node.target is aten.mm.default or (node.target is aten.addmm.default and not node.kwargs):
+        matrix, other = (node.args[1], node.args[0]) if node.target is aten.mm.default else (node.args[2], node.args[1])
+        weight = _transposed_matrix(matrix)
+        a = _read(other, env)
+        if weight is not None and getattr(a, "ndim", 0) == 2:
+            product = _matmul_transposed(a, env[weight])
+            if node.target is aten.addmm.default:
+                product = _read(node.args[0], env) + product
+            return _conform(product, node)
     lowering = lookup(node.target)
     assert lowering is not None, f"{node.target} passed capture's op check but has no lowering"
     args = [_read(a, env) for a in node.args]
