@@ -48,7 +48,6 @@ def _run(argv: list[str]) -> int:
 
 def doctor(argv: Sequence[str]) -> int:
     """Prints every registered cluster source's verdict for these flags, then what would run."""
-    import tpudist.launch  # noqa: F401 - registers the sources
     from tpudist.launch import _cluster
     from tpudist.launch.args import build_parser
     from tpudist.launch.launcher import choose_cluster

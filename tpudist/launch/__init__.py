@@ -8,7 +8,7 @@ in their own modules), `build_plan` gives every process its argv and environment
 `Supervisor` starts one agent per host over SSH, runs the job through the gRPC control plane and
 stops everything on the first failure. See docs/launcher.md.
 
-Importing this package is cheap: grpc and paramiko are imported only by what needs them.
+Importing this package is cheap: nothing is imported until used (see below).
 """
 
 from __future__ import annotations
@@ -16,22 +16,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tpudist.launch import sources_basic  # noqa: F401 - registers local, hosts, hostfile
-from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict, resolve_cluster, sources, verdicts
-
-for _optional in ("sources_tpu", "sources_slurm"):  # written alongside; absent modules must not break launching
-    try:
-        importlib.import_module(f"tpudist.launch.{_optional}")
-    except ImportError:
-        pass
-
-# Imported on first use: every host's agent imports this package, and its start-up time adds up.
-_LAZY = {"Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
+# Everything is imported on first use: every host's agent imports this package (for
+# `python -m tpudist.launch.agent`), and each import here would add to every agent's start-up.
+# The cluster sources register themselves when `_cluster.sources()` is first asked for them.
+_LAZY = {"Cluster": "tpudist.launch._cluster", "ClusterSource": "tpudist.launch._cluster",
+         "Host": "tpudist.launch._cluster", "Verdict": "tpudist.launch._cluster",
+         "resolve_cluster": "tpudist.launch._cluster", "sources": "tpudist.launch._cluster",
+         "verdicts": "tpudist.launch._cluster",
+         "Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
          "main": "tpudist.xla_dist", "build_parser": "tpudist.launch.args", "parse_args": "tpudist.launch.args",
          "ProcessPlan": "tpudist.launch.plan", "build_plan": "tpudist.launch.plan",
          "plan_json": "tpudist.launch.plan"}
 
-__all__ = ["Cluster", "ClusterSource", "Host", "Verdict", "resolve_cluster", "sources", "verdicts", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -5,14 +5,15 @@ The launcher asks each registered source, in `priority` order, whether it applie
 line (`applies`), and the first that does resolves the hosts (`resolve`). Every source can say why
 it does not apply, which `tpudist doctor` and `--verbose` print.
 
-Adding a source is one class in one module under `tpudist/launch/`, imported by
-`tpudist/launch/__init__.py` so that it registers.
+Adding a source is one class in one module under `tpudist/launch/`, listed in `SOURCE_MODULES`
+so that it is imported (and registers) the first time the sources are asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 from typing import ClassVar
 
 
@@ -77,8 +78,17 @@ class ClusterSource:
         raise NotImplementedError
 
 
+SOURCE_MODULES = ("tpudist.launch.sources_basic", "tpudist.launch.sources_tpu", "tpudist.launch.sources_slurm")
+
+
+def _load_sources() -> None:
+    for module in SOURCE_MODULES:
+        importlib.import_module(module)
+
+
 def sources() -> list[type[ClusterSource]]:
     """Registered sources in the order they are asked."""
+    _load_sources()
     return sorted(ClusterSource.registry.values(), key=lambda s: (s.priority, s.name))
 
 

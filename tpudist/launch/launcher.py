@@ -19,8 +19,7 @@ from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json
 
 def parse(argv: Sequence[str], prog: str) -> argparse.Namespace:
     """The checked command line; argparse's own errors exit with status 2."""
-    import tpudist.launch  # noqa: F401 - registers every cluster source
-
+    _cluster._load_sources()  # every cluster source registered before its flags are read
     return parse_args(argv, prog)
 
 
