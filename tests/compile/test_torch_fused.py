@@ -296,3 +296,30 @@ def test_torch_example_trains_through_the_launcher():
     assert float(loss[2]) < float(loss[1]) - 0.05
     assert float(accuracy[2]) > max(0.6, float(accuracy[1]) + 0.1)
     assert "Warning" not in done.stderr.replace("[Gloo]", ""), done.stderr
+
+
+def test_fit_names_eager_step_when_the_model_cannot_be_compiled():
+    class LogGamma(nn.Module):  # aten.lgamma: differentiable in torch, not in the op registry
+        def forward(self, x):
+            return torch.lgamma(x.abs() + 1.0)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 3), LogGamma())
+
+    data = torch.utils.data.TensorDataset(*batches(n=16, count=1)[0])
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model = build()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)   # not implemented in-graph either
+    with pytest.raises(TypeError, match="eager_step"):
+        tpudist.fit(model, loader, opt, F.cross_entropy, log=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tpudist.compile.UnsupportedOpError, match=r"lgamma.*step_fn=tpudist.eager_step"):
+        tpudist.fit(model, loader, opt, F.cross_entropy, log=False)
+    # the fallback the message names trains it, and equals eager torch
+    ref = build()
+    history = tpudist.fit(model, loader, opt, F.cross_entropy, log=False,
+                          step_fn=tpudist.eager_step(model, F.cross_entropy, opt))
+    eager_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), list(loader))
+    assert len(history) == 1
+    assert_same_state(model, ref)

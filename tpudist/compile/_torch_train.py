@@ -148,6 +148,17 @@ def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]
     return steps[key][2]
 
 
+def _checked_step(step: StepFn, batch: Any, fused: bool) -> torch.Tensor:
+    if not fused:
+        return step(batch)
+    from tpudist.compile._torch import CaptureError, UnsupportedOpError
+    try:
+        return step(batch)
+    except (UnsupportedOpError, CaptureError) as e:
+        raise type(e)(f"{e} [tpudist.fit compiles the model and its update into one XLA step; to train this "
+                      "model in eager torch instead pass step_fn=tpudist.eager_step(model, loss_fn, optimizer)]") from e
+
+
 def _my_batches(loader: Iterable[Any], rank: int, count: int) -> Iterator[Any]:
     """Batch i goes to process i % count; a last round with fewer than `count` batches is dropped
     so that every process runs the same number of steps (their collectives must line up)."""
@@ -262,7 +273,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
             loss_sum, examples, steps = 0.0, 0, 0
             start = time.perf_counter()
             for batch in (_my_batches(loader, rank, count) if shard else loader):
-                loss_sum += float(step(batch))
+                loss_sum += float(_checked_step(step, batch, fused=step_fn is None))
                 examples += _examples(batch)
                 steps += 1
                 bar.update(loss_sum / steps, examples * count / (time.perf_counter() - start))

@@ -191,7 +191,6 @@ class _FusedProgram:
         self.slots: list[tuple[str, Any]] = []
         self.trainable: list[tuple[str, Callable[[], torch.Tensor], _optim.ParamConfig, int]] = []
         self.others: list[Callable[[], torch.Tensor]] = []
-        self.other_mutated: list[str | None] = []
         self.batch_leaves: list[int] = []
         for slot in captured.inputs:
             if slot.kind == "literal":
@@ -215,7 +214,6 @@ class _FusedProgram:
             else:
                 self.slots.append(("other", len(self.others)))
                 self.others.append(get)
-                self.other_mutated.append(slot.name if slot.mutated else None)
         self.sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for _, get, _, _ in self.trainable]
         other_sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for get in self.others]
         if any(other_sharded):
