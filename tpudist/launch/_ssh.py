@@ -205,7 +205,7 @@ def _pump(channel: paramiko.Channel, local_port: Callable[[], int]) -> None:
     try:
         sock = socket.create_connection(("127.0.0.1", local_port()), timeout=5)
     except (OSError, TimeoutError):
-        channel.close()
+        _close(channel)
         return
     sock.settimeout(None)
 
@@ -226,9 +226,17 @@ def _pump(channel: paramiko.Channel, local_port: Callable[[], int]) -> None:
     except (OSError, EOFError):
         pass
     finally:
-        channel.close()
+        _close(channel)
         t.join(timeout=5)
         sock.close()
+
+
+def _close(channel: paramiko.Channel) -> None:
+    # closing sends a message on the SSH connection, which may already be gone at teardown
+    try:
+        channel.close()
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
 
 
 def _shutdown(sock: socket.socket) -> None:
