@@ -35,6 +35,11 @@ MODES = (None, "sum", "mean")
 SHARDED_ATTR = "_tpudist_sharded"
 
 
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.6
+    return bool(is_exporting and is_exporting())
+
+
 def rows_per_process(num_embeddings: int) -> int:
     """Rows each process holds: an equal share, rounded up to a multiple of its local device count
     so that the fused train step can split the block evenly over those devices."""
@@ -137,7 +142,7 @@ class ShardedEmbedding(nn.Module):
         if self.mode is not None and (ids.ndim == 0 or ids.shape[-1] == 0):
             raise ValueError(f"rank {self.rank}: mode={self.mode!r} reduces the last ids dimension as a "
                              f"bag, so ids need at least one dimension of size >= 1; got shape {tuple(ids.shape)}")
-        if torch.compiler.is_exporting():
+        if _exporting():
             # captured by the fused train step as one node, lowered to in-graph collectives
             from tpudist.compile._torch._custom_ops import sharded_embedding_lookup
             bag = ids.shape[-1] if self.mode is not None else 1
