@@ -124,7 +124,16 @@ class SshAgent(AgentHandle):
         transport = client.get_transport()
         self.channel = transport.open_session(timeout=timeout_s)
         self.channel.exec_command(agent_command(python))
-        self.channel.sendall(make_bootstrap(remote_port))
+        try:
+            self.channel.sendall(make_bootstrap(remote_port))
+        except OSError:
+            # The command may have ended already (no such interpreter: status 127) and closed the
+            # channel; then its exit status and stderr, which the supervisor reports, say why.
+            deadline = time.monotonic() + 2.0
+            while not self.channel.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not self.channel.exit_status_ready():
+                raise
 
     def exit_status(self) -> int | None:
         if self.channel.exit_status_ready():
