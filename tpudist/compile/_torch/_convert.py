@@ -45,11 +45,12 @@ def jax_dtype(dtype: torch.dtype) -> np.dtype:
                         f"supported dtypes: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}") from None
 
 
-def to_jax(tensor: torch.Tensor, copy: bool = False) -> jax.Array:
+def to_jax(tensor: torch.Tensor, copy: bool = False, device: Any = None) -> jax.Array:
     """A JAX array with `tensor`'s values; shares memory with it unless `copy` or a narrowing applies.
 
     A shared array must not be read after torch writes the tensor in place; callers pass
-    `copy=True` for tensors the compiled graph itself will update (mutated buffers).
+    `copy=True` for tensors the compiled graph itself will update (mutated buffers). `device`
+    (default: this process's first CPU device) is where the array lives.
     """
     t = tensor.detach()
     if t.dtype in _NARROW:
@@ -58,11 +59,13 @@ def to_jax(tensor: torch.Tensor, copy: bool = False) -> jax.Array:
         t = t.clone()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.device.type == "cpu":
-        array = import_buffer(t, _cpu_device())  # the direct import: ~10x cheaper than from_dlpack
+    target = device or _cpu_device()
+    if t.device.type == "cpu" and target.platform == "cpu":
+        array = import_buffer(t, target)  # the direct import: ~10x cheaper than from_dlpack
         if array is not None:
             return array
-    return jax.dlpack.from_dlpack(t)
+    array = jax.dlpack.from_dlpack(t)
+    return array if device is None else jax.device_put(array, device)
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,14 +36,15 @@ from tpudist.compile._torch import _optim
 from tpudist.compile._torch._capture import capture
 from tpudist.collectives._convert import import_buffer
 from tpudist.collectives._engine import assemble
-from tpudist.compile._torch._convert import _NARROW, to_torch
+from tpudist.compile._torch._convert import to_jax, to_torch
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
 from tpudist.compile._torch._program import _resolver, _seed
 from tpudist.compile._torch.ops.collective import over_axis
+from tpudist.nn import SHARDED_ATTR
 
 AXIS = "data"
-_SHARDED_ATTR = "_tpudist_sharded"  # set by tpudist.nn.ShardedEmbedding on its weight
+
 
 @dataclass
 class TrainStepStats:
@@ -76,14 +77,12 @@ class _Tracked:
 
     __slots__ = ("array", "view", "ptr", "version")
 
-    def __init__(self, array: jax.Array, view: torch.Tensor | None):
+    def __init__(self, array: jax.Array, view: torch.Tensor):
         self.array, self.view = array, view
-        self.ptr = view.data_ptr() if view is not None else None
-        self.version = view._version if view is not None else None
+        self.ptr, self.version = view.data_ptr(), view._version
 
-    def fresh(self, tensor: torch.Tensor | None) -> bool:
-        return (tensor is not None and self.view is not None and tensor.data_ptr() == self.ptr
-                and tensor._version == self.version)
+    def fresh(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() == self.ptr and tensor._version == self.version
 
 
 class TrainStep:
@@ -189,9 +188,10 @@ class _FusedProgram:
         group_of = {id(p): (i, g) for i, g in enumerate(owner.optimizer.param_groups) for p in g["params"]}
         objective = owner._objective
         self.slots: list[tuple[str, Any]] = []
-        self.trainable: list[tuple[str, Callable[[], torch.Tensor], _optim.ParamConfig, int]] = []
+        self.trainable: list[tuple[Callable[[], torch.Tensor], _optim.ParamConfig, int]] = []
         self.others: list[Callable[[], torch.Tensor]] = []
         self.batch_leaves: list[int] = []
+        getters = {}
         for slot in captured.inputs:
             if slot.kind == "literal":
                 continue
@@ -199,8 +199,7 @@ class _FusedProgram:
                 self.slots.append(("batch", len(self.batch_leaves)))
                 self.batch_leaves.append(slot.leaf)
                 continue
-            resolve = _resolver(objective, slot, captured)
-            get = functools.partial(resolve, None)
+            get = getters[slot.name] = functools.partial(_resolver(objective, slot, captured), None)
             tensor = get()
             entry = group_of.get(id(tensor)) if slot.kind == "param" else None
             if entry is not None and slot.used and tensor.requires_grad:
@@ -210,19 +209,21 @@ class _FusedProgram:
                 group_index, group = entry
                 cfg = _optim.config(owner.kind, owner.optimizer, group)
                 self.slots.append(("param", len(self.trainable)))
-                self.trainable.append((slot.name, get, cfg, group_index))
+                self.trainable.append((get, cfg, group_index))
             else:
                 self.slots.append(("other", len(self.others)))
                 self.others.append(get)
-        self.sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for _, get, _, _ in self.trainable]
-        other_sharded = [bool(getattr(get(), _SHARDED_ATTR, False)) for get in self.others]
+        self.sharded = [bool(getattr(get(), SHARDED_ATTR, False)) for get, _, _ in self.trainable]
+        other_sharded = [bool(getattr(get(), SHARDED_ATTR, False)) for get in self.others]
         if any(other_sharded):
             raise ValueError("a ShardedEmbedding weight is frozen or not in the optimizer; the fused step "
                              "only handles sharded weights it trains")
         if not self.trainable:
             raise ValueError("the fused step found no parameter to train: none of the model's parameters that "
                              "the loss uses is in the optimizer with requires_grad=True")
-        self.configs = tuple(cfg for _, _, cfg, _ in self.trainable)
+        self.configs = tuple(cfg for _, cfg, _ in self.trainable)
+        # the buffers the graph updates (BatchNorm statistics), read like its other inputs
+        self.buffer_getters = [getters[target] for _, target in self.buffer_outputs]
         self.has_random = captured.has_random
         run = lower(captured)
         body = self._body(run)
@@ -294,7 +295,7 @@ class _FusedProgram:
 
     def __call__(self, tensors: list[Any]) -> torch.Tensor:
         owner = self.owner
-        params, states, rows = self._train_state()
+        params, states, rows, steps = self._train_state()
         others = [self._global(get(), split=False) for get in self.others]
         batch = [self._global(tensors[leaf], split=True) for leaf in self.batch_leaves]
         seed = self._global(_seed() if self.has_random else np.uint32(0), split=False)
@@ -304,7 +305,7 @@ class _FusedProgram:
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         new_params, buffers, new_states, losses = self._executable(*args)
-        self._write_back(new_params, new_states, buffers)
+        self._write_back(new_params, new_states, steps, buffers)
         local = [np.asarray(s.data) for s in losses.addressable_shards]
         return torch.tensor(float(np.mean(local)), dtype=torch.float32)
 
@@ -315,28 +316,31 @@ class _FusedProgram:
         if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
             return value
         devices = self._devices
-        host = _host(value)
+        if not isinstance(value, torch.Tensor):
+            value = np.asarray(value)
+            value = np.ascontiguousarray(value, dtype=jax.dtypes.canonicalize_dtype(value.dtype))
         if split:
-            rows = host.shape[0] // len(devices)
-            pieces = [host[i * rows:(i + 1) * rows] for i in range(len(devices))]
-            shape = (rows * self._total, *host.shape[1:])
+            rows = value.shape[0] // len(devices)
+            pieces = [value[i * rows:(i + 1) * rows] for i in range(len(devices))]
+            shape = (rows * self._total, *value.shape[1:])
         else:
-            pieces, shape = [host] * len(devices), tuple(host.shape)
+            pieces, shape = [value] * len(devices), tuple(value.shape)
         shards = [_on_device(piece, device) for piece, device in zip(pieces, devices)]
         return assemble(shape, self._split if split else self._replicated, shards)
 
-    def _train_state(self) -> tuple[list[Any], list[tuple[Any, ...]], list[list[float]]]:
+    def _train_state(self) -> tuple[list[Any], list[tuple[Any, ...]], list[list[float]], list[float]]:
+        """This step's parameters, optimizer state (global arrays), hyperparameter rows and the
+        optimizer step counts after it."""
         owner = self.owner
         optimizer, tracked = owner.optimizer, owner._tracked
         groups = optimizer.param_groups
-        params, states, rows = [], [], []
-        self._steps = []
-        for (name, get, cfg, group_index), sharded in zip(self.trainable, self.sharded):
+        params, states, rows, steps = [], [], [], []
+        for (get, cfg, group_index), sharded in zip(self.trainable, self.sharded):
             p = get()
             state = optimizer.state.get(p, {})
             row, step = _optim.hyper_row(cfg, groups[group_index], state)
             rows.append(row)
-            self._steps.append(step)
+            steps.append(step)
             record = tracked.get((id(p), "param"))
             if record is not None and record.fresh(p):
                 params.append(record.array)
@@ -358,14 +362,14 @@ class _FusedProgram:
                     initial = initial or _optim.initial_state(cfg, p)
                     values.append(self._global(initial[len(values)], split=sharded))
             states.append(tuple(values))
-        return params, states, rows
+        return params, states, rows, steps
 
     def _write_back(self, new_params: list[jax.Array], new_states: list[tuple[jax.Array, ...]],
-                    buffers: list[jax.Array]) -> None:
+                    steps: list[float], buffers: list[jax.Array]) -> None:
         owner = self.owner
         optimizer, tracked = owner.optimizer, owner._tracked
-        for (name, get, cfg, _), sharded, array, state_arrays, step in zip(
-                self.trainable, self.sharded, new_params, new_states, self._steps):
+        for (get, cfg, _), sharded, array, state_arrays, step in zip(
+                self.trainable, self.sharded, new_params, new_states, steps):
             p = get()
             with torch.no_grad():
                 p.data = _view(array, p.dtype, sharded)
@@ -380,32 +384,19 @@ class _FusedProgram:
             if cfg.kind == "adam":
                 state["step"] = torch.tensor(step, dtype=torch.float32)
         with torch.no_grad():
-            for (_, target), value in zip(self.buffer_outputs, buffers):
-                buffer = _buffer(owner._objective, target)
+            for get, value in zip(self.buffer_getters, buffers):
+                buffer = get()
                 buffer.copy_(to_torch(value.addressable_data(0), buffer.dtype))
         # what torch.optim's step wrapper records, read by LR schedulers' "lr_scheduler.step()
         # before optimizer.step()" warning: the update did run, inside the executable
         optimizer._opt_called = True
 
 
-def _host(value: Any) -> Any:
-    """A contiguous CPU torch tensor or numpy array of `value` in the dtype XLA computes it in."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.dtype in _NARROW:
-            t = t.to(_NARROW[t.dtype])
-        return t.cpu().contiguous()
-    array = np.asarray(value)
-    return np.ascontiguousarray(array, dtype=jax.dtypes.canonicalize_dtype(array.dtype))
-
-
 def _on_device(piece: Any, device: Any) -> jax.Array:
-    if isinstance(piece, torch.Tensor) and not piece.is_contiguous():
-        piece = piece.contiguous()
+    if isinstance(piece, torch.Tensor):
+        return to_jax(piece, device=device)
     array = import_buffer(piece, device) if device.platform == "cpu" else None
-    if array is None:
-        array = jax.device_put(jax.dlpack.from_dlpack(piece) if isinstance(piece, torch.Tensor) else piece, device)
-    return array
+    return array if array is not None else jax.device_put(piece, device)
 
 
 def _view(array: jax.Array, dtype: torch.dtype, sharded: bool) -> torch.Tensor:
@@ -415,11 +406,6 @@ def _view(array: jax.Array, dtype: torch.dtype, sharded: bool) -> torch.Tensor:
         return to_torch(shards[0].data, dtype)
     ordered = sorted(shards, key=lambda s: s.index[0].start or 0)
     return torch.cat([to_torch(s.data, dtype) for s in ordered])
-
-
-def _buffer(objective: torch.nn.Module, target: str) -> torch.Tensor:
-    path, _, attr = target.rpartition(".")
-    return (objective.get_submodule(path) if path else objective)._buffers[attr]
 
 
 def _clip(grads: list[Any], sharded: list[bool], max_norm: float) -> list[Any]:

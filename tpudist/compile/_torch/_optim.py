@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpudist.compile._torch._convert import jax_dtype
+
 SUPPORTED = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
 
 
@@ -88,11 +90,7 @@ def hyper_row(cfg: ParamConfig, group: dict[str, Any], state: dict[str, Any]) ->
 def initial_state(cfg: ParamConfig, param: torch.Tensor) -> list[np.ndarray]:
     """Zeros for every state tensor the optimizer has not created yet (SGD's first step ignores
     its buffer: `first` is 1.0 then)."""
-    return [np.zeros(tuple(param.shape), dtype=_numpy_dtype(param.dtype)) for _ in cfg.state]
-
-
-def _numpy_dtype(dtype: torch.dtype) -> Any:
-    return {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: jnp.bfloat16}[dtype]
+    return [np.zeros(tuple(param.shape), dtype=jax_dtype(param.dtype)) for _ in cfg.state]
 
 
 def update(cfg: ParamConfig, param: Any, grad: Any, state: tuple[Any, ...], row: Any) -> tuple[Any, tuple[Any, ...]]:
