@@ -13,6 +13,11 @@ Data parallel (`--dp-processes`, default 2, spawned with tpudist.spawn): torch
 DistributedDataParallel over gloo vs the fused step, each process on its share of the global
 batch, same model and optimizer.
 
+`--device cuda` runs the single-process comparison on a GPU: eager torch on CUDA tensors vs the
+same bridge with XLA on JAX's GPU backend (tensors cross through DLPack, zero-copy); both sides
+synchronize the device at the end of each timed run, and TF32 matmuls are allowed on both (XLA's
+default for float32 on GPU; `--no-tf32` makes both full float32). The data-parallel part is CPU only.
+
 Each side runs warm-up steps (compiled sides compile in the first), then `--repeats` timed runs
 of `--steps` steps; the best run is reported, since on a shared machine noise only ever adds
 time, and the sides alternate run by run so that load from other processes hits them alike.
@@ -40,15 +45,19 @@ import tpudist  # noqa: E402
 from torch_models import REFERENCES, WithLoss  # noqa: E402
 
 
-def _time_interleaved(steps_by_side: dict[str, Callable[[], None]], steps: int, repeats: int) -> dict[str, float]:
+def _time_interleaved(steps_by_side: dict[str, Callable[[], None]], steps: int, repeats: int,
+                      sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Best mean seconds per step of each side over `repeats` runs of `steps` steps. The sides
-    alternate run by run, so a burst of load from other processes hits both alike."""
+    alternate run by run, so a burst of load from other processes hits both alike. `sync` waits
+    for the device (a GPU runs asynchronously) before a run's clock stops."""
     best = {side: float("inf") for side in steps_by_side}
     for _ in range(repeats):
         for side, step in steps_by_side.items():
+            sync()
             start = time.perf_counter()
             for _ in range(steps):
                 step()
+            sync()
             best[side] = min(best[side], (time.perf_counter() - start) / steps)
     return best
 
@@ -74,13 +83,17 @@ def _eager_train_step(model: torch.nn.Module, loss_fn, opt: torch.optim.Optimize
     return step
 
 
-def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int) -> dict[str, Any]:
+def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
+                device: str = "cpu") -> dict[str, Any]:
     """One row for `name` at `batch`: forward+backward ms/step eager vs `tpudist.compile`d, and a
-    whole training step (forward, backward, SGD momentum) eager vs the fused XLA step."""
+    whole training step (forward, backward, SGD momentum) eager vs the fused XLA step, with the
+    model and the batch on `device`."""
     ref = REFERENCES[name]
     torch.manual_seed(0)
-    model = ref.build("bench")
+    model = ref.build("bench").to(device)
     inputs, target = ref.batch("bench", batch, torch.Generator().manual_seed(0))
+    inputs, target = tuple(x.to(device) for x in inputs), target.to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     eager = WithLoss(copy.deepcopy(model), ref.loss)
     train_model = copy.deepcopy(model)
     fused_model = copy.deepcopy(model)
@@ -97,24 +110,31 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int) ->
 
     start = time.perf_counter()
     compiled_step()  # capture + XLA compile of forward and backward
+    sync()
     first_call = time.perf_counter() - start
+    with torch.no_grad():  # the two sides must agree before their times mean anything
+        loss_eager, loss_compiled = float(eager(*inputs, target)), float(compiled(*inputs, target))
+    if not abs(loss_eager - loss_compiled) <= 1e-3 * max(1.0, abs(loss_eager)):
+        raise AssertionError(f"{name} batch {batch}: compiled loss {loss_compiled} != eager {loss_eager}")
     start = time.perf_counter()
     fused_step()
+    sync()
     fused_first = time.perf_counter() - start
     for _ in range(warmup):
         for step in (eager_step, compiled_step, eager_train, fused_step):
             step()
     times = _time_interleaved({"eager": eager_step, "compiled": compiled_step, "eager_train": eager_train,
-                               "fused": fused_step}, steps, repeats)
+                               "fused": fused_step}, steps, repeats, sync)
     assert compiled.stats.compiles == 1, compiled.stats
     assert fused.stats.compiles == 1, fused.stats
     return {
-        "model": name, "batch": batch,
+        "model": name, "batch": batch, "device": device,
         "params": sum(p.numel() for p in model.parameters()),
         "eager_ms": times["eager"] * 1e3, "compiled_ms": times["compiled"] * 1e3,
         "speedup": times["eager"] / times["compiled"],
         "eager_train_ms": times["eager_train"] * 1e3, "fused_train_ms": times["fused"] * 1e3,
         "fused_speedup": times["eager_train"] / times["fused"],
+        "loss_eager": loss_eager, "loss_compiled": loss_compiled,
         "first_call_s": first_call, "fused_first_call_s": fused_first,
         "capture_s": compiled.stats.capture_seconds,
     }
@@ -207,40 +227,73 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads per DDP process (default 1: the processes share the cores)")
     parser.add_argument("--skip-single", action="store_true", help="only the data-parallel comparison")
     parser.add_argument("--skip-dp", action="store_true", help="only the single-process comparison")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--device", default="cpu", help="torch device of the single-process comparison: "
+                        "cpu, or cuda (XLA then runs on JAX's GPU backend)")
+    parser.add_argument("--no-tf32", action="store_true", help="with --device cuda: full float32 matmuls on "
+                        "both sides (default: TF32 on both, XLA's own default on GPU)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="record a model that fails as an error row and go on with the next")
+    parser.add_argument("--json", type=Path, help="also write the results here (rewritten after every row)")
     args = parser.parse_args(argv)
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        import jax
+        tf32 = not args.no_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
     load_before = list(os.getloadavg())
-    rows = []
+    rows: list[dict[str, Any]] = []
+    dp_rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+
+    def report() -> dict[str, Any]:
+        import jax
+        result = {
+            "benchmark": "torch training step: tpudist.compile / compile_train_step (XLA) vs eager torch and DDP",
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                        "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
+                        "torch_device": torch.cuda.get_device_name() if cuda else "cpu",
+                        "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
+            "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
+                         "device": args.device, "tf32": cuda and not args.no_tf32},
+            "rows": rows, "errors": errors,
+            "fused_data_parallel": dp_rows,
+        }
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2))
+        return result
+
     for name in ([] if args.skip_single else args.models):
         for batch in args.batches:
-            rows.append(bench_model(name, batch, args.steps, args.repeats, args.warmup))
+            try:
+                rows.append(bench_model(name, batch, args.steps, args.repeats, args.warmup, args.device))
+            except Exception as error:
+                if not args.keep_going:
+                    raise
+                import traceback
+                errors.append({"model": name, "batch": batch, "error": traceback.format_exc()})
+                print(f"  {name} batch {batch}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+                continue
+            finally:
+                report()
             print(f"  {name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, "
                   f"compiled {rows[-1]['compiled_ms']:.2f} ms, eager train step {rows[-1]['eager_train_ms']:.2f} ms, "
                   f"fused {rows[-1]['fused_train_ms']:.2f} ms", file=sys.stderr, flush=True)
-    dp_rows = [] if args.skip_dp else bench_fused_data_parallel(args)
-    import jax
-    result = {
-        "benchmark": "torch training step: tpudist.compile / compile_train_step (XLA) vs eager torch and DDP",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()],
-                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
-        "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup},
-        "rows": rows,
-        "fused_data_parallel": dp_rows,
-    }
+    if not args.skip_dp and not cuda:
+        dp_rows.extend(bench_fused_data_parallel(args))
+    result = report()
     if rows:
         print(_table(rows))
     if dp_rows:
         print(_dp_table(dp_rows))
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

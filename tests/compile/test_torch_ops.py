@@ -10,6 +10,8 @@ Two levels:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import jax
@@ -509,6 +511,30 @@ def test_compiled_attention():
         F.scaled_dot_product_attention(q, k, v, attn_mask=boolean),
         F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
         *mha(x, x, x, key_padding_mask=padding)), q, k, v, boolean, additive, x, padding, rtol=1e-4)
+
+
+def test_attention_captured_as_on_a_gpu(monkeypatch):
+    """On CUDA tensors, capture forces scaled_dot_product_attention's math form (the fused CUDA
+    kernels have no decomposition). No GPU here: force the same choice on CPU tensors, check that
+    every op of that graph lowers and that outputs and gradients equal eager torch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from tpudist.compile._torch import _capture
+    cpu_module = torch.nn.Linear(2, 2)
+    assert _capture._portable_attention(cpu_module, (torch.ones(2),), {}) is contextlib.nullcontext
+    # any tensor off the CPU (a meta tensor stands in for a CUDA one) selects the math kernel
+    assert _capture._portable_attention(cpu_module, (torch.ones(2, device="meta"),), {}) is not contextlib.nullcontext
+    monkeypatch.setattr(_capture, "_portable_attention", lambda *args: (lambda: sdpa_kernel([SDPBackend.MATH])))
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    x = randn(2, 5, 8, seed=1)
+    padding = torch.tensor([[False, False, False, True, True], [False] * 5])
+    compiled = tpudist.compile(copy.deepcopy(layer))
+    expected, got = layer(x, src_key_padding_mask=padding), compiled(x, src_key_padding_mask=padding)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, a), b in zip(layer.named_parameters(), compiled.module.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_compiled_indexing_and_shapes():

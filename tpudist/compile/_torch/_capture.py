@@ -8,7 +8,9 @@ Decomposing it to core ATen leaves ~200 op overloads to lower, all listed in one
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import operator
 import time
 import warnings
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch._custom_ops import COLLECTIVE_OPS, STOP_GRADIENT
 from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, lookup, unsupported_message
@@ -78,8 +81,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     with torch.enable_grad(), warnings.catch_warnings():
         # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        attention = _portable_attention(module, args, kwargs)
         try:
-            program = torch.export.export(module, args, kwargs, strict=False)
+            with attention():
+                program = torch.export.export(module, args, kwargs, strict=False)
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CaptureError(
@@ -87,12 +92,27 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
                 f"{_describe(args, kwargs)}: {type(exc).__name__}: {first}. Data-dependent Python control "
                 "flow and shapes are the usual cause; move that part outside the compiled module.") from exc
         _keep_stop_gradients(program.graph_module)
-        program = program.run_decompositions(_decompositions())
+        with attention():  # attention is decomposed here, by the kernel choice in force
+            program = program.run_decompositions(_decompositions())
     graph = program.graph_module.graph
     _check_ops(graph)
     captured = _plumbing(program)
     captured.seconds = time.perf_counter() - start
     return captured
+
+
+def _portable_attention(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A context factory for capturing `module`: on a GPU, torch.nn.attention.sdpa_kernel(MATH).
+
+    On a GPU, scaled_dot_product_attention traces to a fused CUDA kernel (efficient / flash /
+    cuDNN attention) that has no decomposition; its math form decomposes to ops XLA lowers (and
+    XLA fuses them itself). CPU graphs keep torch's own CPU decomposition."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors += list(itertools.islice(itertools.chain(module.parameters(), module.buffers()), 1))
+    if all(t.device.type == "cpu" for t in tensors):
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return lambda: sdpa_kernel([SDPBackend.MATH])
 
 
 def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:

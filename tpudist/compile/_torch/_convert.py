@@ -49,8 +49,9 @@ def to_jax(tensor: torch.Tensor, copy: bool = False, device: Any = None) -> jax.
     """A JAX array with `tensor`'s values; shares memory with it unless `copy` or a narrowing applies.
 
     A shared array must not be read after torch writes the tensor in place; callers pass
-    `copy=True` for tensors the compiled graph itself will update (mutated buffers). `device`
-    (default: this process's first CPU device) is where the array lives.
+    `copy=True` for tensors the compiled graph itself will update (mutated buffers). `device` is
+    where the array lives; by default a CPU tensor goes to this process's first CPU device and a
+    CUDA tensor stays on its GPU (JAX's GPU backend, through DLPack).
     """
     t = tensor.detach()
     if t.dtype in _NARROW:

@@ -234,6 +234,8 @@ class _FusedProgram:
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs,
                                 per_device=True, name=f"train step ({type(owner.model).__name__})")
         self._executable: Any = None
+        self._hyper_rows: list[list[float]] | None = None  # the rows of the table last sent, and it
+        self._hyper: Any = None
         # arguments are made global here, directly from this process's pieces (faster per step than
         # the general path of compile_jax); this needs the processes' devices in process-major
         # order along "data", which is how make_mesh lays out one axis
@@ -299,15 +301,21 @@ class _FusedProgram:
         others = [self._global(get(), split=False) for get in self.others]
         batch = [self._global(tensors[leaf], split=True) for leaf in self.batch_leaves]
         seed = self._global(_seed() if self.has_random else np.uint32(0), split=False)
-        hyper = self._global(np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS), split=False)
+        if rows != self._hyper_rows:  # unchanged between most steps: no transfer then
+            self._hyper_rows = rows
+            self._hyper = self._global(np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS),
+                                       split=False)
+        hyper = self._hyper
         args = (params, others, states, hyper, batch, seed)
         if self._executable is None:
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         new_params, buffers, new_states, losses = self._executable(*args)
         self._write_back(new_params, new_states, steps, buffers)
-        local = [np.asarray(s.data) for s in losses.addressable_shards]
-        return torch.tensor(float(np.mean(local)), dtype=torch.float32)
+        # a view of the loss where it was computed, as eager torch returns it: reading it on the host
+        # is the caller's choice (a GPU step does not wait for it otherwise)
+        local = [to_torch(s.data, torch.float32) for s in losses.addressable_shards]
+        return local[0].reshape(()) if len(local) == 1 else torch.cat(local).mean()
 
     def _global(self, value: Any, split: bool) -> jax.Array:
         """This process's `value` (torch, numpy or a global array) as a global array on the mesh:
