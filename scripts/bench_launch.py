@@ -10,6 +10,8 @@ scripts/_sshd.py) it measures, in the same run:
   stop (^C)      SIGINT to the launcher until it has exited, every process stopped on every host
   fail-fast      rank 0 exits 3 until the launcher has exited with 3, every other process stopped
   launcher cpu   the launcher process's own CPU seconds for one job
+  machine cpu    CPU seconds the whole machine spent (/proc/stat: sshd, shells, agents, clients)
+                 during the ssh fan-out and during tpudist's start: where the ratio comes from
   left           processes of the job still alive afterwards (must be 0)
 
 One process per host runs `echo ready; exec sleep 600`. All hosts share this machine's cores, so
@@ -40,13 +42,23 @@ from _sshd import LoopbackSshd  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def ssh_fanout(sshd: LoopbackSshd, timeout: float) -> float:
-    t0 = time.monotonic()
+def machine_cpu() -> float:
+    """CPU seconds this machine has been busy since boot, all cores (user, nice, system, irq,
+    softirq, steal; not idle or iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + sum(fields[5:8])
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def ssh_fanout(sshd: LoopbackSshd, timeout: float) -> tuple[float, float]:
+    """(seconds, machine CPU seconds) of `ssh host true` to every host at once."""
+    cpu0, t0 = machine_cpu(), time.monotonic()
     procs = [subprocess.Popen(["ssh", *sshd.ssh_options(), a, "true"]) for a in sshd.addresses]
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"ssh fan-out failed: exit codes {codes}")
-    return time.monotonic() - t0
+    return time.monotonic() - t0, machine_cpu() - cpu0
 
 
 def pdsh(sshd: LoopbackSshd, timeout: float) -> float:
@@ -71,7 +83,7 @@ def tpudist(sshd: LoopbackSshd, timeout: float, mode: str) -> dict:
     cmd = [sys.executable, "-m", "tpudist.xla_dist", *sshd.launcher_flags(), "--fanout", str(n),
            "--", "sh", "-c", PAYLOAD, "sh", str(trigger) if mode == "fail" else "-", marker]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.monotonic()
+    cpu0, t0 = machine_cpu(), time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     ready = 0
@@ -83,7 +95,7 @@ def tpudist(sshd: LoopbackSshd, timeout: float, mode: str) -> dict:
             ready += line.rstrip().endswith(b"ready")
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"only {ready}/{n} processes ran within {timeout} s")
-        started = time.monotonic() - t0
+        started, start_cpu = time.monotonic() - t0, machine_cpu() - cpu0
         t1 = time.monotonic()
         if mode == "fail":
             trigger.touch()
@@ -102,7 +114,7 @@ def tpudist(sshd: LoopbackSshd, timeout: float, mode: str) -> dict:
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     time.sleep(0.5)  # agents end their processes on their own after the launcher; give them a moment
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    return {"start": started, "end": ended, "launcher_cpu": cpu, "left": len(left)}
+    return {"start": started, "end": ended, "launcher_cpu": cpu, "start_machine_cpu": start_cpu, "left": len(left)}
 
 
 def main() -> int:
@@ -118,13 +130,17 @@ def main() -> int:
     for n in [int(x) for x in args.hosts.split(",")]:
         with LoopbackSshd(n, clean_login=not args.machine_bashrc) as sshd:
             ssh_fanout(sshd, args.timeout)  # warm-up: page cache, sshd's first forks
-            runs: dict[str, list] = {k: [] for k in ("ssh", "pdsh", "start", "stop", "fail", "cpu", "left")}
+            runs: dict[str, list] = {k: [] for k in ("ssh", "ssh_cpu", "pdsh", "start", "start_cpu", "stop",
+                                                     "fail", "cpu", "left")}
             for _ in range(args.repeat):
-                runs["ssh"].append(ssh_fanout(sshd, args.timeout))
+                elapsed, cpu = ssh_fanout(sshd, args.timeout)
+                runs["ssh"].append(elapsed)
+                runs["ssh_cpu"].append(cpu)
                 runs["pdsh"].append(pdsh(sshd, args.timeout))
                 stop = tpudist(sshd, args.timeout, "stop")
                 fail = tpudist(sshd, args.timeout, "fail")
                 runs["start"] += [stop["start"], fail["start"]]
+                runs["start_cpu"] += [stop["start_machine_cpu"], fail["start_machine_cpu"]]
                 runs["stop"].append(stop["end"])
                 runs["fail"].append(fail["end"])
                 runs["cpu"] += [stop["launcher_cpu"], fail["launcher_cpu"]]
@@ -132,18 +148,20 @@ def main() -> int:
         row = {"hosts": n, "ssh_fanout_s": min(runs["ssh"]), "pdsh_s": min(runs["pdsh"]),
                "tpudist_start_s": min(runs["start"]), "tpudist_stop_s": min(runs["stop"]),
                "tpudist_fail_fast_s": min(runs["fail"]), "launcher_cpu_s": min(runs["cpu"]),
+               "ssh_machine_cpu_s": min(runs["ssh_cpu"]), "start_machine_cpu_s": min(runs["start_cpu"]),
                "processes_left": max(runs["left"]), "clean_login": sshd.clean_login, "runs": runs}
         row["start_vs_ssh"] = row["tpudist_start_s"] / row["ssh_fanout_s"]
         results.append(row)
         print(f"measured {n} hosts: {row['tpudist_start_s']:.2f} s start vs {row['ssh_fanout_s']:.2f} s ssh",
               file=sys.stderr)
     header = (f"{'hosts':>5}  {'ssh fan-out':>11}  {'pdsh':>6}  {'tpudist start':>13}  {'x ssh':>5}  "
-              f"{'stop (^C)':>9}  {'fail-fast':>9}  {'launcher cpu':>12}  {'left':>4}")
+              f"{'stop (^C)':>9}  {'fail-fast':>9}  {'launcher cpu':>12}  {'cpu: ssh':>8}  {'tpudist':>7}  {'left':>4}")
     print(header)
     for r in results:
         print(f"{r['hosts']:>5}  {r['ssh_fanout_s']:>10.2f}s  {r['pdsh_s']:>5.2f}s  {r['tpudist_start_s']:>12.2f}s  "
               f"{r['start_vs_ssh']:>5.2f}  {r['tpudist_stop_s']:>8.2f}s  {r['tpudist_fail_fast_s']:>8.2f}s  "
-              f"{r['launcher_cpu_s']:>11.2f}s  {r['processes_left']:>4}")
+              f"{r['launcher_cpu_s']:>11.2f}s  {r['ssh_machine_cpu_s']:>7.2f}s  {r['start_machine_cpu_s']:>6.2f}s  "
+              f"{r['processes_left']:>4}")
     doc = {"benchmark": "launch", "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "results": results}
     print(json.dumps(doc))
     if args.json:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -40,6 +39,8 @@ def find_conda(env: dict[bytes, bytes]) -> str | None:
     exe = env.get(b"CONDA_EXE")
     if exe and os.access(exe, os.X_OK):
         return os.fsdecode(exe)
+    import shutil  # here: its imports (bz2, lzma) would cost every agent's start-up
+
     found = shutil.which("conda", path=os.fsdecode(env.get(b"PATH", b"")))
     if found:
         return found
