@@ -122,6 +122,15 @@ def scenario() -> dict:
     out["empty"] = [to_numpy(r) for r in tpudist.all_reduce([np.zeros((0,), np.float32), torch.zeros(0, 3)])]
     out["empty_gather"] = tpudist.all_gather(np.zeros((0, 2), np.int32))
     out["scaled"] = tpudist.all_reduce(np.float32(rank), scale=0.5)
+    # Inexact float sums: every rank of a group must end with the same bits (recursive doubling
+    # combines the same two operands on both sides of each exchange), whatever the algorithm.
+    noisy = np.random.default_rng(rank).standard_normal(1001).astype(np.float32)
+    out["inexact_sum"] = {g: tpudist.all_reduce(noisy, groups=GROUPINGS[g]) for g in GROUPINGS}
+    out["inexact_bf16_mean"] = to_numpy(tpudist.all_reduce(torch.from_numpy(noisy[:37]).to(torch.bfloat16), op="mean"))
+    from tpudist.collectives._ops import _exchange
+    out["exchanges"] = {(kind, size, n): _exchange(kind, jnp.zeros(n, jnp.float32), size)
+                        for kind in ("all_reduce", "all_gather") for size in (1, 2, 3, 4)
+                        for n in (1, 3, 1024, 1 << 18, 1 << 20, 1 << 21, 1 << 23)}
     tpudist.barrier()
     return out
 
@@ -232,6 +241,33 @@ def test_several_mib(results):
     for rank in range(N):
         np.testing.assert_array_equal(results[rank]["big_reduce_scatter"], total[rank * BIG:(rank + 1) * BIG])
         np.testing.assert_array_equal(results[rank]["big_all_reduce"], total[:BIG * 2 + 3])
+
+
+def test_inexact_sums_agree_bit_for_bit_across_a_group(results):
+    noisy = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(N)]
+    for g in GROUPINGS:
+        for group in ref_groups(g):
+            expect = np.sum([noisy[r].astype(np.float64) for r in group], axis=0)
+            first = results[group[0]]["inexact_sum"][g]
+            np.testing.assert_allclose(first, expect, rtol=1e-5, atol=1e-5)
+            for r in group[1:]:
+                np.testing.assert_array_equal(results[r]["inexact_sum"][g].view(np.uint32), first.view(np.uint32))
+    expect = np.mean([np.asarray(torch.from_numpy(n[:37]).to(torch.bfloat16).float()) for n in noisy], axis=0)
+    for r in range(N):
+        got = results[r]["inexact_bf16_mean"]
+        np.testing.assert_allclose(got.astype(np.float32), expect, rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(got.view(np.uint16), results[0]["inexact_bf16_mean"].view(np.uint16))
+
+
+def test_exchange_choice(results):
+    """Recursive doubling for power-of-two groups up to the size limits (float32 values of n
+    elements); XLA's own collectives otherwise, and for all-reduces of fewer elements than processes."""
+    doubling = {("all_reduce", 2, n) for n in (3, 1024, 1 << 18, 1 << 20, 1 << 21)}  # up to 16 MiB
+    doubling |= {("all_reduce", 4, n) for n in (1024, 1 << 18)}                     # up to 1 MiB
+    doubling |= {("all_gather", size, n) for size in (2, 4) for n in (1, 3, 1024, 1 << 18)}
+    choices = results[0]["exchanges"]
+    assert {key for key, choice in choices.items() if choice == "doubling"} == doubling
+    assert {key for key, choice in choices.items() if choice == "native"} == set(choices) - doubling
 
 
 def test_structure_kinds_and_scalars(results):

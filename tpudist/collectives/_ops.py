@@ -36,6 +36,28 @@ def _check_op(op: str, dtypes: Sequence[Any], scale: float) -> None:
             raise TypeError(f"scale={scale} needs floating-point values, got {dtype}")
 
 
+# XLA's CPU collectives run gloo's ring algorithms, whose 2 * (P - 1) (all-reduce) or P - 1
+# (all-gather) dependent message steps dominate below a few MiB; recursive doubling over
+# collective-permutes takes log2(P) steps and, for P = 2, moves the same bytes. Measured with
+# scripts/bench_collectives.py (docs/collectives.md): an eager collective uses it on CPU for a
+# power-of-two group when the value (per process) is at most DOUBLING_MAX_BYTES[(kind, P)], P = 2
+# or more; larger values (where the ring's fewer bytes per process win), other group sizes and
+# other platforms (TPU and GPU interconnects) keep XLA's own collectives. An all-reduce of fewer
+# elements than the group keeps the ring too, which is as quick there.
+DOUBLING_MAX_BYTES = {("all_reduce", 2): 16 << 20, ("all_reduce", "more"): 1 << 20,
+                      ("all_gather", 2): 1 << 20, ("all_gather", "more"): 1 << 20}
+
+
+def _exchange(kind: str, value: jax.Array, size: int) -> str:
+    """"doubling" or "native" for an eager collective of `value` over groups of `size`."""
+    if size < 2 or size & (size - 1) or engine().device.platform != "cpu":
+        return "native"
+    if kind == "all_reduce" and value.size < size:
+        return "native"
+    nbytes = value.size * value.dtype.itemsize
+    return "doubling" if nbytes <= DOUBLING_MAX_BYTES[(kind, 2 if size == 2 else "more")] else "native"
+
+
 def _dim(dim: int, ndim: int, what: str) -> int:
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise ValueError(f"{what}={dim} is out of range for a value with {ndim} dimensions")
@@ -102,7 +124,7 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     def check(descs: list[_convert.Leaf], size: int) -> None:
         _check_op(op, [d.dtype for d in descs], scale)
 
-    body = _per_block(lambda v, size: _lax.reduce(v, op, SLOT, size, scale))
+    body = _per_block(lambda v, size: _lax.reduce(v, op, SLOT, size, scale, _exchange("all_reduce", v, size)))
     params = {"op": op, "scale": float(scale)}
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if len(leaves) < 2:
@@ -146,7 +168,8 @@ def all_gather(x: Any, dim: int = 0, groups: Sequence[Sequence[int]] | None = No
         for d in descs:
             _dim(dim, len(d.shape), "dim")
 
-    body = _per_block(lambda v, size: _lax.gather(v, _dim(dim, v.ndim, "dim"), SLOT))
+    body = _per_block(lambda v, size: _lax.gather(v, _dim(dim, v.ndim, "dim"), SLOT,
+                                                  _exchange("all_gather", v, size)))
     return _eager("all_gather", {"dim": dim}, x, groups, body, check)
 
 
