@@ -122,7 +122,8 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Runs one step on this process's `batch` (`(*inputs, target)`); returns its loss (the mean
-        over this process's devices of their slices' losses, a 0-d float32 tensor)."""
+        over this process's devices of their slices' losses, a 0-d float32 tensor on the model's device;
+        on a GPU the step does not wait for it, so `loss.item()` is where the host waits)."""
         rank = jax.process_index()
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise TypeError(f"rank {rank}: the fused train step takes a batch (*inputs, target), got "
