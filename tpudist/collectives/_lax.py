@@ -47,7 +47,7 @@ def reduce(x: jax.Array, op: str, axis: str, size: int, scale: float = 1.0,
     if x.size == 0:
         return _empty(x, x.shape)
     if exchange == "doubling":
-        out = x.astype(jnp.float32) if dtype in _LOW_PRECISION and op != "max" and op != "min" else _wire(x)
+        out = x.astype(jnp.float32) if dtype in _LOW_PRECISION and op not in ("max", "min") else _wire(x)
         step = 1
         while step < size:
             out = _COMBINE[op](out, lax.ppermute(out, axis, perm=_partners(size, step)))

@@ -108,7 +108,7 @@ def _portable_attention(module: torch.nn.Module, args: tuple, kwargs: dict) -> A
     cuDNN attention) that has no decomposition; its math form decomposes to ops XLA lowers (and
     XLA fuses them itself). CPU graphs keep torch's own CPU decomposition."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    tensors += list(itertools.islice(itertools.chain(module.parameters(), module.buffers()), 1))
+    tensors.append(next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)))
     if all(t.device.type == "cpu" for t in tensors):
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel

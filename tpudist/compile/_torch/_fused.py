@@ -235,8 +235,9 @@ class _FusedProgram:
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs,
                                 per_device=True, name=f"train step ({type(owner.model).__name__})")
         self._executable: Any = None
-        self._hyper_rows: list[list[float]] | None = None  # the rows of the table last sent, and it
+        # the hyperparameter table last sent to the devices, and the rows it was made from
         self._hyper: Any = None
+        self._hyper_rows: list[list[float]] | None = None
         # arguments are made global here, directly from this process's pieces (faster per step than
         # the general path of compile_jax); this needs the processes' devices in process-major
         # order along "data", which is how make_mesh lays out one axis
