@@ -5,7 +5,7 @@ For 2 and 4 processes and sizes from 4 B to 64 MiB, times tpudist's all_reduce /
 reduce_scatter on torch tensors next to torch.distributed's gloo, and prints latency, algbw,
 busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JSON.
 
-    python scripts/bench_collectives.py [--procs 2 4] [--max-bytes 64Mi] [--json out.json]
+    python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json]
 
 Size is the full buffer, as in nccl-tests: all_reduce's input, all_gather's output,
 reduce_scatter's input. busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others.
@@ -37,9 +37,9 @@ def _parse_bytes(text: str) -> int:
     return int(text)
 
 
-def sizes(max_bytes: int) -> list[int]:
+def sizes(max_bytes: int, min_bytes: int = 0) -> list[int]:
     ladder = [4, 64, 1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-    return [s for s in ladder if s <= max_bytes]
+    return [s for s in ladder if min_bytes <= s <= max_bytes]
 
 
 def _iters(nbytes: int, budget: float) -> int:
@@ -134,10 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-bytes", default="64Mi")
+    parser.add_argument("--min-bytes", default="0")
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per measurement (approx.)")
     parser.add_argument("--json", default="bench-results/collectives.json")
     args = parser.parse_args()
-    byte_sizes = sizes(_parse_bytes(args.max_bytes))
+    byte_sizes = sizes(_parse_bytes(args.max_bytes), _parse_bytes(args.min_bytes))
     rows: list[dict] = []
     for n in args.procs:
         rows += tpudist.spawn(measure, args=(byte_sizes, args.budget), nprocs=n, cpu_devices=1, timeout=3600)[0]

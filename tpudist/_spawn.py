@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -13,7 +14,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -75,6 +76,22 @@ def _die_with_parent(parent_pid: int) -> None:
         _stop_group()
 
     threading.Thread(target=watch, name="tpudist-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _exec_environ(extra: dict[str, str]) -> Iterator[None]:
+    """Adds `extra` to this process's environment for the duration (children started meanwhile
+    inherit it), then restores what was there."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str],
@@ -155,21 +172,24 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
     given = {**os.environ, **(env or {})}
     limits = contract.JobEnv.from_environ({k: given[k] for k in (contract.INIT_TIMEOUT, contract.COLLECTIVE_TIMEOUT)
                                            if k in given})
-    for index in range(nprocs):
-        job = contract.JobEnv(
-            rank=index, world_size=nprocs, local_rank=index, local_world_size=nprocs,
-            coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
-            host="localhost", cpu_devices=cpu_devices,
-            platform="cpu" if cpu_devices is not None else None, job_id=job_id,
-            init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout)
-        child_env = {**(env or {}), **job.to_environ()}
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",
-                        args=(index, fn, tuple(args), child_env, os.getpid(), init, writer))
-        p.start()
-        writer.close()
-        procs.append(p)
-        conns[reader] = index
+    # Read by the dynamic loader at exec, so it must be in this process's environment while the
+    # children start; `env` and the rest of the contract are applied inside each child.
+    with _exec_environ(contract.process_defaults(os.environ, env or {})):
+        for index in range(nprocs):
+            job = contract.JobEnv(
+                rank=index, world_size=nprocs, local_rank=index, local_world_size=nprocs,
+                coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
+                host="localhost", cpu_devices=cpu_devices,
+                platform="cpu" if cpu_devices is not None else None, job_id=job_id,
+                init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout)
+            child_env = {**(env or {}), **job.to_environ()}
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",
+                            args=(index, fn, tuple(args), child_env, os.getpid(), init, writer))
+            p.start()
+            writer.close()
+            procs.append(p)
+            conns[reader] = index
     deadline = None if timeout is None else time.monotonic() + timeout
     failure: SpawnError | None = None
     try:

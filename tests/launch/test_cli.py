@@ -149,6 +149,21 @@ def test_dry_run_plan_for_hosts_has_every_variable_the_launcher_sets(tmp_path):
     assert len(coordinators) == 1
 
 
+def test_dry_run_asks_glibc_for_huge_pages_unless_the_user_decides():
+    base = {k: v for k, v in os.environ.items() if k not in (contract.GLIBC_TUNABLES, contract.HUGEPAGES)}
+
+    def tunables(*flags: str, **env: str) -> set:
+        r = launch("--nproc-per-host", "2", *flags, "--dry-run", "--", "python", "t.py", env={**base, **env})
+        assert r.returncode == 0, r.stderr.decode()
+        return {p["env"].get(contract.GLIBC_TUNABLES) for p in json.loads(r.stdout)["processes"]}
+
+    assert tunables() == {"glibc.malloc.hugetlb=1"}
+    assert tunables("--env", "GLIBC_TUNABLES=glibc.malloc.arena_max=2") == {"glibc.malloc.arena_max=2"}
+    assert tunables("--env", "TPUDIST_HUGEPAGES=0") == {None}
+    assert tunables(GLIBC_TUNABLES="glibc.malloc.arena_max=2") == {None}  # the hosts' own setting stands
+    assert tunables(TPUDIST_HUGEPAGES="0") == {None}
+
+
 def test_dry_run_local_uses_loopback_and_distinct_free_ports():
     procs = _plan("--nproc-per-host", "2")
     env = procs[0]["env"]

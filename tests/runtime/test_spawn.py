@@ -124,3 +124,40 @@ def reduce_value(index: int) -> float:
 
 def test_spawned_processes_share_one_job():
     assert tpudist.spawn(reduce_value, nprocs=2, cpu_devices=1, timeout=120) == [3.0, 3.0]
+
+
+def malloc_huge_pages(index: int) -> tuple:
+    """Touches a 64 MiB glibc allocation (as XLA:CPU makes for a 64 MiB output) and reports the
+    environment's tunables and how much of this process's memory sits in huge pages."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    size = 64 << 20
+    ptr = libc.malloc(size)
+    ctypes.memset(ptr, 1, size)
+    with open("/proc/self/smaps_rollup") as f:
+        huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    libc.free(ctypes.c_void_p(ptr))
+    return os.environ.get("GLIBC_TUNABLES"), huge_kb
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_spawned_processes_get_huge_pages_for_large_allocations(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("TPUDIST_HUGEPAGES", raising=False)
+    results = tpudist.spawn(malloc_huge_pages, nprocs=2, init=False, timeout=60)
+    assert [tunables for tunables, _ in results] == ["glibc.malloc.hugetlb=1"] * 2
+    if _thp_mode() in ("madvise", "always"):
+        assert all(huge_kb >= 32 << 10 for _, huge_kb in results), results
+    assert "GLIBC_TUNABLES" not in os.environ  # the parent's environment is left as it was
+    opted_out = tpudist.spawn(malloc_huge_pages, nprocs=1, init=False, timeout=60, env={"TPUDIST_HUGEPAGES": "0"})
+    assert opted_out[0][0] is None
+    if _thp_mode() == "madvise":
+        assert opted_out[0][1] < 32 << 10

@@ -8,6 +8,7 @@ once so that the caller gets an ordinary writable array.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -31,6 +32,10 @@ class Leaf:
     dtype: np.dtype
     py_type: type | None = None  # for "scalar": bool, int or float
     torch_dtype: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 _TORCH_DTYPES = {name: np.dtype(name) for name in (
@@ -112,10 +117,28 @@ def to_block(x: Any, leaf: Leaf, device: Any) -> jax.Array:
     return arr
 
 
-def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...]) -> Any:
-    """Converts this process's result block back to the leaf's kind, with the result's shape."""
+def host_block(x: Any, leaf: Leaf) -> np.ndarray:
+    """The leaf's values as a (1, 1, *shape) host array: a view where the input allows (CPU
+    tensors, contiguous numpy arrays), for the engine to copy into its staging buffers."""
+    block_shape = (1, 1) + leaf.shape
+    if leaf.kind == "torch":
+        return flat_numpy(x, leaf).reshape(block_shape)
+    return np.ascontiguousarray(np.asarray(x, dtype=leaf.dtype)).reshape(block_shape)
+
+
+def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...], copy: bool = False) -> Any:
+    """Converts this process's result block back to the leaf's kind, with the result's shape.
+
+    torch results share XLA's buffer (DLPack) unless `copy`, which suits small results: a copy of
+    a few KiB costs less than the DLPack exchange.
+    """
     if leaf.kind == "torch":
         torch = _torch()
+        if copy:
+            host = np.array(block).reshape(shape)
+            if leaf.dtype == _BF16:  # numpy has no bfloat16 for torch: move the bits
+                return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(host)
         return torch.from_dlpack(block).reshape(shape)
     if leaf.kind == "jax":
         return block.reshape(shape)
@@ -127,15 +150,14 @@ def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...]) -> Any:
     return out
 
 
-def _bf16_np() -> np.dtype:
-    return np.dtype(jax.numpy.bfloat16)
+_BF16 = np.dtype(jax.numpy.bfloat16)
 
 
 def flat_numpy(x: Any, leaf: Leaf) -> np.ndarray:
     """The leaf's values as a flat host array (a view where the input allows, e.g. CPU tensors)."""
     if leaf.kind == "torch":
         t = x.detach().cpu().contiguous().reshape(-1)
-        if leaf.dtype == _bf16_np():  # numpy has no bfloat16: move the bits
+        if leaf.dtype == _BF16:  # numpy has no bfloat16: move the bits
             return t.view(_torch().int16).numpy().view(leaf.dtype)
         return t.numpy()
     return np.asarray(x, dtype=leaf.dtype).reshape(-1)
@@ -146,7 +168,7 @@ def from_flat(flat: np.ndarray, leaf: Leaf) -> Any:
     shaped = flat.reshape(leaf.shape)
     if leaf.kind == "torch":
         torch = _torch()
-        if leaf.dtype == _bf16_np():
+        if leaf.dtype == _BF16:
             return torch.from_numpy(shaped.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(shaped)
     if leaf.kind == "jax":

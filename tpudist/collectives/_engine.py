@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _runtime, contract
+from tpudist.collectives import _convert
 
 log = logging.getLogger("tpudist.collectives")
 
@@ -108,13 +110,19 @@ class Engine:
         self.stats = {"compiles": 0, "calls": 0, "compile_seconds": 0.0}
         self._cache: dict[Any, Any] = {}
         self._shardings: dict[Any, NamedSharding] = {}
+        self._stagings: dict[Any, _Staging | None] = {}
         self._lock = threading.Lock()
         self._broken: str | None = None
 
     # -- public entry ---------------------------------------------------------------------------
 
-    def run(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array]) -> list[jax.Array]:
-        """Runs `op` on this process's blocks; returns this process's result blocks."""
+    def run(self, op: Op, groups: tuple[tuple[int, ...], ...],
+            blocks: list[jax.Array] | list[np.ndarray]) -> list[jax.Array]:
+        """Runs `op` on this process's blocks; returns this process's result blocks.
+
+        Blocks given as host arrays (small values) are copied into the signature's staging
+        buffers (`_Staging`) instead of being imported afresh.
+        """
         with self._lock:
             if self._broken:
                 raise CollectiveError(f"rank {self.rank} on {self.host}: collectives are unusable "
@@ -124,14 +132,17 @@ class Engine:
             limit = self.timeout
             deadline = time.monotonic() + limit
             sharding = self._sharding(groups)
-            key = (op.name, op.params, groups, tuple((b.shape, b.dtype) for b in blocks))
+            key = (op.name, op.params, groups, tuple((b.shape, np.dtype(b.dtype)) for b in blocks))
             compiled = self._cache.get(key)
             if compiled is None:
                 if self.kv is not None:
                     self._check_peers(seq, op, groups, blocks, deadline, limit)
                 compiled = self._compile(op, groups, blocks)
                 self._cache[key] = compiled
-            inputs = [_global_array(sharding, groups, b) for b in blocks]
+            if isinstance(blocks[0], np.ndarray):
+                inputs = self._staged(key, sharding, groups, blocks)
+            else:
+                inputs = [_global_array(sharding, groups, b) for b in blocks]
             self.stats["calls"] += 1
             start = time.monotonic()
             try:
@@ -149,6 +160,23 @@ class Engine:
             return outs
 
     # -- pieces ---------------------------------------------------------------------------------
+
+    def _staged(self, key: Any, sharding: NamedSharding, groups: tuple[tuple[int, ...], ...],
+                hosts: list[np.ndarray]) -> list[jax.Array]:
+        """The global inputs holding `hosts`' values: the signature's staging buffers, refilled,
+        or (where a buffer cannot be shared with XLA) freshly imported blocks."""
+        staging = self._stagings.get(key)
+        if staging is None:
+            staging = self._stagings[key] = _Staging.build(hosts, sharding, groups, self.device)
+        if staging:
+            return staging.fill(hosts)
+        inputs = []
+        for host in hosts:
+            block = _convert.import_buffer(host, self.device)
+            if block is None:
+                block = jax.device_put(host, self.device)
+            inputs.append(_global_array(sharding, groups, block))
+        return inputs
 
     def _sharding(self, groups: tuple[tuple[int, ...], ...]) -> NamedSharding:
         """The (group, slot) sharding over one device per process, built once per grouping."""
@@ -252,6 +280,50 @@ class Engine:
                 missing = self._absent(f"{self.prefix}/arrive/{seq}/")
                 raise self._timeout_error(seq, Op("barrier", (), lambda b, s: b), missing,
                                           "at the barrier", limit) from None
+
+
+class _Staging:
+    """Reused input buffers for the small values of one signature.
+
+    A synchronous collective on a freshly imported buffer takes ~0.2-0.3 ms longer than on one XLA
+    has already run on (2 processes, a 4-byte all_reduce: 0.56-0.66 ms against 0.37 ms, gloo
+    0.28 ms; docs/collectives.md). So each signature keeps 64-byte-aligned host arrays, shared with
+    XLA once without a copy, and every call copies its values in. The engine's lock serializes
+    calls and each call waits for its results, so XLA has read a buffer before the next call
+    writes it; the buffers never leave the engine.
+    """
+
+    def __init__(self, hosts: list[np.ndarray], inputs: list[jax.Array]) -> None:
+        self.hosts, self.inputs = hosts, inputs
+
+    @classmethod
+    def build(cls, like: list[np.ndarray], sharding: NamedSharding, groups: tuple[tuple[int, ...], ...],
+              device: Any) -> _Staging | None:
+        """Staging for values shaped like `like`, or None where XLA would not share a buffer
+        (empty values, dtypes DLPack cannot carry such as numpy's bfloat16, another jaxlib)."""
+        hosts, inputs = [], []
+        for value in like:
+            host = _aligned(value.shape, value.dtype)
+            block = _convert.import_buffer(host, device) if host.nbytes else None
+            if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
+                return None
+            hosts.append(host)
+            inputs.append(_global_array(sharding, groups, block))
+        return cls(hosts, inputs)
+
+    def fill(self, values: list[np.ndarray]) -> list[jax.Array]:
+        for host, value in zip(self.hosts, values):
+            np.copyto(host, value)
+        return self.inputs
+
+
+def _aligned(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized host array whose data starts on an `alignment`-byte boundary (XLA:CPU
+    shares aligned buffers and copies others)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _global_array(sharding: NamedSharding, groups: tuple[tuple[int, ...], ...], block: jax.Array) -> jax.Array:

@@ -43,9 +43,16 @@ def _check_op(op: str, dtypes: Sequence[Any], scale: float) -> None:
 # power-of-two group when the value (per process) is at most DOUBLING_MAX_BYTES[(kind, P)], P = 2
 # or more; larger values (where the ring's fewer bytes per process win), other group sizes and
 # other platforms (TPU and GPU interconnects) keep XLA's own collectives. An all-reduce of fewer
-# elements than the group keeps the ring too, which is as quick there.
-DOUBLING_MAX_BYTES = {("all_reduce", 2): 16 << 20, ("all_reduce", "more"): 1 << 20,
+# elements than the group keeps the ring too, which is as quick there. For 2 processes past 4 MiB
+# the ring won again in the latest runs (16 MiB: 26-31 ms against 46-66 ms).
+DOUBLING_MAX_BYTES = {("all_reduce", 2): 4 << 20, ("all_reduce", "more"): 1 << 20,
                       ("all_gather", 2): 1 << 20, ("all_gather", "more"): 128 << 10}
+
+
+# Host values (torch tensors, numpy arrays, scalars) of at most this many bytes per process, all
+# leaves of a call together, go through the engine's staging buffers and come back as copies: for
+# them a fresh buffer import and a DLPack export cost more than the copies (docs/collectives.md).
+STAGE_MAX_BYTES = 64 << 10
 
 
 def _exchange(kind: str, value: jax.Array, size: int) -> str:
@@ -84,10 +91,16 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
     if check is not None:
         check(descs, len(norm[0]))
     op = Op(name, tuple(sorted(params.items())), body, detail)
+    # jax values stay XLA buffers (a staged one could come back as the staging buffer itself).
+    small = (eng.device.platform == "cpu" and sum(d.nbytes for d in descs) <= STAGE_MAX_BYTES
+             and all(d.kind != "jax" for d in descs))
     with jax.enable_x64(True):
-        blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
+        if small:
+            blocks = [_convert.host_block(leaf, d) for leaf, d in zip(leaves, descs)]
+        else:
+            blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
         outs = eng.run(op, norm, blocks)
-        results = [_convert.from_block(o, d, o.shape[2:]) for o, d in zip(outs, descs)]
+        results = [_convert.from_block(o, d, o.shape[2:], copy=small) for o, d in zip(outs, descs)]
     return jax.tree_util.tree_unflatten(treedef, results)
 
 

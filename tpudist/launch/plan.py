@@ -3,7 +3,9 @@
 Ranks are numbered in worker order: worker 0's processes first. Every process gets the environment
 contract of `tpudist.contract` (rank, sizes, coordinator = rank 0's host), the TPU variables on a
 TPU slice, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
-environment and finally the user's `--env` values. `--dry-run` prints exactly this plan.
+environment, `GLIBC_TUNABLES` asking for huge pages (`contract.process_defaults`: not when the
+launcher's environment or `--env` sets it or TPUDIST_HUGEPAGES=0) and finally the user's `--env`
+values. `--dry-run` prints exactly this plan.
 
     plan = build_plan(args, cluster, Ports(coordinator=8476, master=29500), job_id="ab12")
     print(plan_json(plan))   # {"processes": [{"host": ..., "rank": 0, "argv": [...], "env": {...}}, ...]}
@@ -127,6 +129,7 @@ def build_plan(args: argparse.Namespace, cluster: Cluster, ports: Ports, *, job_
                 env.update(tpu_env.tpu_process_env(cluster, worker, local_rank, nproc))
             env["PYTHONUNBUFFERED"] = "1"
             env.update(pyenv.env)
+            env.update(contract.process_defaults(os.environ, args.env_vars))
             env.update(args.env_vars)
             plan.append(ProcessPlan(host, worker, rank, local_rank, tuple(args.command), env,
                                     pyenv.path_prepend, args.workdir, pyenv.conda_env))
