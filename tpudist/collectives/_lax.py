@@ -104,18 +104,35 @@ def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale:
     """Reduces over `axis` and leaves participant i with chunk i of dimension `dim`.
 
     exchange="native" uses XLA's reduce-scatter for sums; "all_to_all" exchanges chunks with an
-    all-to-all and reduces the received chunks locally (the same bytes on the wire).
+    all-to-all and reduces the received chunks locally; "halving" (`size` a power of two) is
+    recursive halving: log2(size) collective-permutes, in each of which participant i keeps the half
+    of its remaining chunks that holds chunk i, sends the other half to participant i ^ 2**k and
+    combines what comes back. All three move the same bytes.
     """
     dtype = x.dtype
     if x.size == 0:
         return _empty(x, x.shape[:dim] + (x.shape[dim] // size,) + x.shape[dim + 1:])
-    if op in ("sum", "mean") and dtype not in _LOW_PRECISION and exchange == "native":
+    chunk = x.shape[dim] // size
+    if exchange == "halving":
+        # (size, ..., chunk, ...): the chunks stacked in participant order
+        work = jnp.moveaxis(x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:]), dim, 0)
+        work = work.astype(jnp.float32) if dtype in _LOW_PRECISION and op not in ("max", "min") else _wire(work)
+        position = lax.axis_index(axis)
+        step = size // 2
+        while step:
+            upper = (position & step) != 0  # chunk `position` is in the upper half of what is left
+            mine = lax.dynamic_slice_in_dim(work, jnp.where(upper, step, 0), step, 0)
+            theirs = lax.dynamic_slice_in_dim(work, jnp.where(upper, 0, step), step, 0)
+            work = _COMBINE[op](mine, lax.ppermute(theirs, axis, perm=_partners(size, step)))
+            step //= 2
+        out = work[0] / size if op == "mean" else work[0]
+        out = out.astype(dtype)
+    elif op in ("sum", "mean") and dtype not in _LOW_PRECISION and exchange == "native":
         out = lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
         if op == "mean":
             out = (out / size).astype(dtype)
     else:
         # Exchange chunks (all_to_all), then reduce the `size` received chunks locally.
-        chunk = x.shape[dim] // size
         parts = jnp.moveaxis(x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:]), dim, 0)
         received = lax.all_to_all(_wire(parts), axis, 0, 0).astype(dtype)
         out = _local_reduce(received, op, size)
