@@ -140,6 +140,25 @@ def scenario() -> dict:
                                     for k in (1, 2)]}
     from tpudist.collectives._engine import engine
     out["staged"]["signatures"] = sum(1 for staging in engine()._stagings.values() if staging)
+    # Repeats of a small call (same kind, dtype, shape, parameters, groups) take the repeat path;
+    # changing any of them takes the full path again.
+    grad = torch.full((2,), float(rank), requires_grad=True)
+    paths = len(engine().quick)
+    out["repeat"] = {
+        "numpy": [tpudist.all_reduce(np.full(4, rank * k, np.int32), op="max") for k in (1, 2, 3)],
+        "scalar": [tpudist.all_reduce(float(rank) * k) for k in (1, 2, 3)],
+        "grad": [to_numpy(tpudist.all_reduce(grad * k)) for k in (1, 2)] + [to_numpy(tpudist.all_reduce(grad))],
+        "groups": [to_numpy(tpudist.all_reduce(torch.ones(2) * (rank + k), groups=GROUPINGS[g]))
+                   for k, g in enumerate(("pairs", "all", "pairs", "strided"))],
+        "op": [to_numpy(tpudist.all_reduce(torch.ones(2) * (rank + 1), op=op)) for op in ("sum", "prod", "sum")],
+        "gather": [to_numpy(tpudist.all_gather(torch.tensor([rank * k]))) for k in (1, 2)],
+        "new_paths": len(engine().quick) - paths,
+    }
+    try:  # same dtype and shape as a value with a repeat path, but sparse: still refused
+        tpudist.all_reduce(torch.ones(2).to_sparse())
+        out["repeat"]["sparse"] = "accepted"
+    except TypeError as e:
+        out["repeat"]["sparse"] = str(e)
     from tpudist.collectives._ops import _exchange
     out["exchanges"] = {(kind, size, n): _exchange(kind, jnp.zeros(n, jnp.float32), size)
                         for kind in ("all_reduce", "all_gather") for size in (1, 2, 3, 4)
@@ -284,6 +303,32 @@ def test_small_values_through_reused_staging_buffers(results):
         for k, got in zip((1, 2), staged["bf16_twice"]):  # bfloat16 takes the unstaged path
             np.testing.assert_array_equal(got.astype(np.float32), np.full(3, sum(r + k for r in range(N)), np.float32))
         assert staged["signatures"] > 0
+
+
+def test_repeated_small_calls(results):
+    """The repeat path gives the full path's results: values change between calls, the result
+    keeps the input's kind, and a call differing in groups or op is not served by another's path."""
+    for rank in range(N):
+        rep = results[rank]["repeat"]
+        for k, got in zip((1, 2, 3), rep["numpy"]):
+            assert type(got) is np.ndarray and got.dtype == np.int32
+            np.testing.assert_array_equal(got, np.full(4, (N - 1) * k, np.int32))
+        assert rep["scalar"] == [float(sum(range(N)) * k) for k in (1, 2, 3)]
+        assert all(type(v) is float for v in rep["scalar"])
+        for k, got in zip((1, 2, 1), rep["grad"]):
+            np.testing.assert_array_equal(got, np.full(2, sum(range(N)) * k, np.float32))
+        for k, (got, g) in enumerate(zip(rep["groups"], ("pairs", "all", "pairs", "strided"))):
+            members = group_of(rank, g)
+            np.testing.assert_array_equal(got, np.full(2, sum(r + k for r in members), np.float32))
+        for op, got in zip(("sum", "prod", "sum"), rep["op"]):
+            want = np.prod(np.arange(1, N + 1)) if op == "prod" else sum(range(1, N + 1))
+            np.testing.assert_array_equal(got, np.full(2, want, np.float32))
+        for k, got in zip((1, 2), rep["gather"]):
+            np.testing.assert_array_equal(got, np.arange(N) * k)
+        # int32 max, float scalar, float32 sum (grad, groups "all", op "sum"), pairs, strided,
+        # prod, gather: one repeat path each
+        assert rep["new_paths"] == 7
+        assert "dense" in rep["sparse"]
 
 
 def test_exchange_choice(results):

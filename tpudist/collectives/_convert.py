@@ -43,13 +43,14 @@ _TORCH_DTYPES = {name: np.dtype(name) for name in (
 _TORCH_DTYPES["bfloat16"] = np.dtype(jax.numpy.bfloat16)
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
+    """torch, if the program has imported it (tpudist never imports it for the user)."""
     return sys.modules.get("torch")
 
 
 def describe(x: Any) -> Leaf:
     """Classifies one leaf; TypeError for what the collectives do not take."""
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.is_sparse or x.is_complex():
             raise TypeError(f"tpudist collectives take dense real tensors, got {x.layout} {x.dtype}")
@@ -133,12 +134,9 @@ def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...], copy: bool 
     a few KiB costs less than the DLPack exchange.
     """
     if leaf.kind == "torch":
-        torch = _torch()
+        torch = torch_module()
         if copy:
-            host = np.array(block).reshape(shape)
-            if leaf.dtype == _BF16:  # numpy has no bfloat16 for torch: move the bits
-                return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-            return torch.from_numpy(host)
+            return torch_view(np.array(block).reshape(shape))
         return torch.from_dlpack(block).reshape(shape)
     if leaf.kind == "jax":
         return block.reshape(shape)
@@ -158,19 +156,25 @@ def flat_numpy(x: Any, leaf: Leaf) -> np.ndarray:
     if leaf.kind == "torch":
         t = x.detach().cpu().contiguous().reshape(-1)
         if leaf.dtype == _BF16:  # numpy has no bfloat16: move the bits
-            return t.view(_torch().int16).numpy().view(leaf.dtype)
+            return t.view(torch_module().int16).numpy().view(leaf.dtype)
         return t.numpy()
     return np.asarray(x, dtype=leaf.dtype).reshape(-1)
+
+
+def torch_view(host: np.ndarray) -> Any:
+    """A torch tensor sharing `host`'s memory (bfloat16 through its bits: numpy has no bfloat16
+    torch knows)."""
+    torch = torch_module()
+    if host.dtype == _BF16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
 
 
 def from_flat(flat: np.ndarray, leaf: Leaf) -> Any:
     """The inverse of `flat_numpy`: a result slice back to the leaf's kind and shape (no copy)."""
     shaped = flat.reshape(leaf.shape)
     if leaf.kind == "torch":
-        torch = _torch()
-        if leaf.dtype == _BF16:
-            return torch.from_numpy(shaped.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(shaped)
+        return torch_view(shaped)
     if leaf.kind == "jax":
         return jax.numpy.asarray(shaped)
     if leaf.kind == "numpy_scalar":
