@@ -138,6 +138,15 @@ def scenario() -> dict:
                      "strided": to_numpy(tpudist.all_reduce(strided)),
                      "bf16_twice": [to_numpy(tpudist.all_reduce(torch.full((3,), float(rank + k), dtype=torch.bfloat16)))
                                     for k in (1, 2)]}
+    # Values past the staging limit come back through DLPack: a result must survive the next call
+    # of the same signature, also where the result is the value itself (groups of one).
+    medium = torch.arange(1 << 16, dtype=torch.float32) + rank  # 256 KiB
+    singles = [[r] for r in range(N)]
+    results = [tpudist.all_reduce(medium), tpudist.all_reduce(medium * 2),
+               tpudist.all_reduce(medium, groups=singles), tpudist.all_reduce(medium * 3, groups=singles),
+               tpudist.all_reduce(np.full(5, rank, np.int32), groups=singles),
+               tpudist.all_reduce(np.full(5, rank * 7, np.int32), groups=singles)]
+    out["medium"] = {"results": [to_numpy(r) for r in results], "input": to_numpy(medium)}
     from tpudist.collectives._engine import engine
     out["staged"]["signatures"] = sum(1 for staging in engine()._stagings.values() if staging)
     # Repeats of a small call (same kind, dtype, shape, parameters, groups) take the repeat path;
@@ -303,6 +312,17 @@ def test_small_values_through_reused_staging_buffers(results):
         for k, got in zip((1, 2), staged["bf16_twice"]):  # bfloat16 takes the unstaged path
             np.testing.assert_array_equal(got.astype(np.float32), np.full(3, sum(r + k for r in range(N)), np.float32))
         assert staged["signatures"] > 0
+
+
+def test_staged_results_are_the_callers_own(results):
+    base = np.arange(1 << 16, dtype=np.float32)
+    total = sum(base + r for r in range(N))
+    for rank in range(N):
+        got = results[rank]["medium"]["results"]
+        for res, want in zip(got, (total, total * 2, base + rank, (base + rank) * 3,
+                                   np.full(5, rank, np.int32), np.full(5, rank * 7, np.int32))):
+            np.testing.assert_array_equal(res, want)
+        np.testing.assert_array_equal(results[rank]["medium"]["input"], base + rank)
 
 
 def test_repeated_small_calls(results):
