@@ -111,7 +111,7 @@ class Engine:
         self._cache: dict[Any, Any] = {}
         self._shardings: dict[Any, NamedSharding] = {}
         self._stagings: dict[Any, _Staging | None] = {}
-        self.quick: dict[Any, Callable[[Any], Any]] = {}  # the collectives' repeat paths (_ops)
+        self.quick: dict[Any, Callable[[Any], Any] | None] = {}  # the collectives' repeat paths (_ops)
         self._lock = threading.Lock()
         self._broken: str | None = None
 

@@ -112,10 +112,9 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
             blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
         outs = eng.run(op, norm, blocks)
         results = [_convert.from_block(o, d, o.shape[2:], copy=small) for o, d in zip(outs, descs)]
-    if small and quick_key is not None:
-        quick = _quick(eng, op, norm, blocks, descs[0])
-        if quick is not None:
-            eng.quick[quick_key] = quick
+    if small and quick_key is not None and quick_key not in eng.quick:
+        # None (no staging for this signature, e.g. bfloat16) is remembered too: not retried per call
+        eng.quick[quick_key] = _quick(eng, op, norm, blocks, descs[0])
     return jax.tree_util.tree_unflatten(treedef, results)
 
 
