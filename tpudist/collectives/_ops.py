@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpudist.collectives import _convert, _lax
-from tpudist.collectives._engine import SLOT, Op, engine, normalize_groups
+from tpudist.collectives._engine import SLOT, Engine, Op, engine, normalize_groups
 
 _FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 
@@ -148,7 +148,7 @@ def _quick_key(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
     return key
 
 
-def _quick(eng: Any, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[np.ndarray],
+def _quick(eng: Engine, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[np.ndarray],
            leaf: _convert.Leaf) -> Callable[[Any], Any] | None:
     """The repeat path of a single staged value described by `leaf`, or None."""
     found = eng.repeat(op, groups, blocks)
