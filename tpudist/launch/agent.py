@@ -24,12 +24,16 @@ import sys
 import threading
 import time
 
-import grpc
+if __name__ == "__main__":  # the agent's own process: what grpc and protobuf import but it never uses
+    from tpudist.launch import _deferred
+    _deferred.defer(("asyncio", "grpc.aio", "google.protobuf.internal.python_message"))
 
-from tpudist.launch import control_pb2 as pb
-from tpudist.launch import control_pb2_grpc as pb_grpc
-from tpudist.launch._processes import ProcessSet
-from tpudist.launch._ports import free_ports
+import grpc  # noqa: E402
+
+from tpudist.launch import control_pb2 as pb  # noqa: E402
+from tpudist.launch import control_pb2_grpc as pb_grpc  # noqa: E402
+from tpudist.launch._processes import ProcessSet  # noqa: E402
+from tpudist.launch._ports import free_ports  # noqa: E402
 
 TOKEN_METADATA = "tpudist-token"
 HEARTBEAT_S = 2.0

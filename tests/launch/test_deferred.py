@@ -1,0 +1,110 @@
+"""The agent's deferred imports (tpudist/launch/_deferred.py), each case in a fresh interpreter so
+that this pytest process's modules are untouched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+AGENT_DEFERS = '("asyncio", "grpc.aio", "google.protobuf.internal.python_message")'
+
+
+def run_python(code: str, tmp_path=None) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
+    # What the agent does with grpc and protobuf (messages built, serialized, parsed; a real
+    # channel and server with the generated stubs) must not need them, or deferring gains nothing.
+    out = run_python(f"""
+        from tpudist.launch import _deferred
+        assert _deferred.defer({AGENT_DEFERS}) == list({AGENT_DEFERS})
+        from concurrent import futures
+        import grpc
+        from tpudist.launch import control_pb2 as pb, control_pb2_grpc as pb_grpc
+
+        class Control(pb_grpc.ControlServicer):
+            def Register(self, request, context):
+                return pb.RegisterReply(job_id=request.host + request.versions["python"])
+
+            def Session(self, messages, context):
+                for _ in messages:
+                    yield pb.LauncherMessage()
+
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        pb_grpc.add_ControlServicer_to_server(Control(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        with grpc.insecure_channel(f"127.0.0.1:{{port}}") as channel:
+            stub = pb_grpc.ControlStub(channel)
+            reply = stub.Register(pb.RegisterRequest(host="h\\u00e9", versions={{"python": "3"}}), timeout=30)
+            assert reply.job_id == "h\\u00e93", reply
+            assert len(list(stub.Session(iter([pb.AgentMessage()] * 3), timeout=30))) == 3
+        server.stop(None)
+        request = pb.RegisterRequest.FromString(pb.RegisterRequest(host="x", worker=3).SerializeToString())
+        assert (request.host, request.worker) == ("x", 3)
+        print([_deferred.is_loaded(n) for n in {AGENT_DEFERS}])
+    """)
+    assert out.strip() == "[False, False, False]"
+
+
+def test_a_deferred_module_is_whole_on_first_use():
+    out = run_python(f"""
+        import sys
+        from tpudist.launch import _deferred
+        _deferred.defer({AGENT_DEFERS})
+        import asyncio                      # binds the placeholder
+        import grpc
+        assert not _deferred.is_loaded("asyncio") and not _deferred.is_loaded("grpc.aio")
+
+        async def answer():
+            channel = grpc.aio.insecure_channel("127.0.0.1:1")
+            await channel.close()
+            await asyncio.sleep(0)
+            return type(channel).__name__, 42
+        print(*asyncio.run(answer()))       # the first attribute read loads it
+        from asyncio import events          # submodules and from-imports as usual
+        print(events is sys.modules["asyncio.events"], type(asyncio.Queue()).__name__)
+        from google.protobuf.internal import python_message
+        print(callable(python_message.GeneratedProtocolMessageType))
+    """)
+    assert out.split() == ["Channel", "42", "True", "Queue", "True"]
+
+
+def test_already_imported_or_missing_modules_are_left_alone():
+    out = run_python("""
+        import json, sys
+        from tpudist.launch import _deferred
+        print(_deferred.defer(["json", "no_such_module_tpudist", "no_such_pkg_tpudist.sub", "csv"]))
+        print(type(sys.modules["json"]).__name__, "no_such_module_tpudist" in sys.modules)
+    """)
+    assert out.split("\n")[:2] == ["['csv']", "module False"]
+
+
+def test_a_module_that_fails_to_load_raises_its_error_and_is_retried(tmp_path):
+    (tmp_path / "flaky_tpudist.py").write_text(textwrap.dedent("""
+        import os
+        if not os.path.exists("ok"):
+            raise RuntimeError("flaky_tpudist cannot load yet")
+        VALUE = 7
+    """))
+    out = run_python("""
+        import sys
+        sys.path.insert(0, ".")
+        from tpudist.launch import _deferred
+        _deferred.defer(["flaky_tpudist"])
+        import flaky_tpudist
+        try:
+            flaky_tpudist.VALUE
+        except RuntimeError as e:
+            print("raised:", e)
+        print("flaky_tpudist" in sys.modules)
+        open("ok", "w").close()
+        import flaky_tpudist
+        print(flaky_tpudist.VALUE)
+    """, tmp_path)
+    assert out.splitlines() == ["raised: flaky_tpudist cannot load yet", "False", "7"]
