@@ -22,7 +22,7 @@ def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
     # channel and server with the generated stubs) must not need them, or deferring gains nothing.
     out = run_python(f"""
         from tpudist.launch import _deferred
-        assert _deferred.defer({AGENT_DEFERS}) == list({AGENT_DEFERS})
+        assert _deferred.defer({AGENT_DEFERS}) == sorted({AGENT_DEFERS})
         from concurrent import futures
         import grpc
         from tpudist.launch import control_pb2 as pb, control_pb2_grpc as pb_grpc
@@ -71,18 +71,26 @@ def test_a_deferred_module_is_whole_on_first_use():
         print(events is sys.modules["asyncio.events"], type(asyncio.Queue()).__name__)
         from google.protobuf.internal import python_message
         print(callable(python_message.GeneratedProtocolMessageType))
+        import google.protobuf.internal as package  # bound on its package, as any import is
+        print(package.python_message is python_message is sys.modules[python_message.__name__])
     """)
-    assert out.split() == ["Channel", "42", "True", "Queue", "True"]
+    assert out.split() == ["Channel", "42", "True", "Queue", "True", "True"]
 
 
-def test_already_imported_or_missing_modules_are_left_alone():
+def test_already_imported_modules_are_left_alone_and_missing_ones_fail_as_usual():
     out = run_python("""
         import json, sys
         from tpudist.launch import _deferred
-        print(_deferred.defer(["json", "no_such_module_tpudist", "no_such_pkg_tpudist.sub", "csv"]))
-        print(type(sys.modules["json"]).__name__, "no_such_module_tpudist" in sys.modules)
+        print(_deferred.defer(["json", "no_such_module_tpudist", "csv"]))
+        import csv
+        print(type(sys.modules["json"]).__name__, _deferred.is_loaded("csv"), csv.QUOTE_ALL == 1)
+        try:
+            import no_such_module_tpudist
+        except ModuleNotFoundError as e:
+            print(e.name)
     """)
-    assert out.split("\n")[:2] == ["['csv']", "module False"]
+    assert out.splitlines() == ["['csv', 'no_such_module_tpudist']", "module False True",
+                                "no_such_module_tpudist"]
 
 
 def test_a_module_that_fails_to_load_raises_its_error_and_is_retried(tmp_path):
