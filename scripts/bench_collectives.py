@@ -6,6 +6,7 @@ reduce_scatter on torch tensors next to torch.distributed's gloo, and prints lat
 busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JSON.
 
     python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json]
+                                        [--collectives all_reduce all_gather reduce_scatter]
 
 Size is the full buffer, as in nccl-tests: all_reduce's input, all_gather's output,
 reduce_scatter's input. busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others.
@@ -73,7 +74,7 @@ def _bare_xla(name: str, part_elems: int, n: int):
     return lambda: compiled(x).block_until_ready()
 
 
-def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
+def measure(index: int, byte_sizes: list[int], budget: float, collectives: tuple[str, ...] = COLLECTIVES) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -81,7 +82,7 @@ def measure(index: int, byte_sizes: list[int], budget: float) -> list[dict]:
     n = dist.get_world_size()
     rows = []
     try:
-        for name in COLLECTIVES:
+        for name in collectives:
             for nbytes in byte_sizes:
                 # all_gather / reduce_scatter need a multiple of n elements; all_reduce takes any.
                 elems = max(1, nbytes // 4) if name == "all_reduce" else max(n, nbytes // 4) // n * n
@@ -142,12 +143,13 @@ def main() -> None:
     parser.add_argument("--max-bytes", default="64Mi")
     parser.add_argument("--min-bytes", default="0")
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per measurement (approx.)")
+    parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     parser.add_argument("--json", default="bench-results/collectives.json")
     args = parser.parse_args()
     byte_sizes = sizes(_parse_bytes(args.max_bytes), _parse_bytes(args.min_bytes))
     rows: list[dict] = []
     for n in args.procs:
-        rows += tpudist.spawn(measure, args=(byte_sizes, args.budget), nprocs=n, cpu_devices=1, timeout=3600)[0]
+        rows += tpudist.spawn(measure, args=(byte_sizes, args.budget, tuple(args.collectives)), nprocs=n, cpu_devices=1, timeout=3600)[0]
     print(f"{'collective':15} {'procs':>5} {'size':>10} {'tpudist ms':>11} {'gloo ms':>9} {'ratio':>6} "
           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo busbw':>10} {'xla ms':>8} {'gloo+copy ms':>12}")
     for r in rows:

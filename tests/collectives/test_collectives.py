@@ -116,6 +116,10 @@ def scenario() -> dict:
     big = value(rank, 9000, "float32", (N * BIG,))
     out["big_reduce_scatter"] = tpudist.reduce_scatter(big)
     out["big_all_reduce"] = to_numpy(tpudist.all_reduce(torch.from_numpy(big[:BIG * 2 + 3].copy())))
+    # 128-256 KiB per process: gathered with one all-to-all on a 4-process CPU mesh (_ops._exchange)
+    out["mid_gather"] = to_numpy(tpudist.all_gather(torch.from_numpy(value(rank, 9100, "float32", (40009,)))))
+    out["mid_gather_dim1"] = tpudist.all_gather(value(rank, 9101, "float32", (7, 5003)), dim=1)
+    out["mid_gather_bool"] = tpudist.all_gather(value(rank, 9102, "bool", (150001,)))
     # Structures and scalars keep their shape and Python types.
     tree = {"a": [1, 2.5, True], "b": (np.float32(rank),), "c": {"d": torch.ones(2) * rank}}
     out["tree"] = tpudist.all_reduce(tree, op="max")
@@ -171,7 +175,7 @@ def scenario() -> dict:
     from tpudist.collectives._ops import _exchange
     out["exchanges"] = {(kind, size, n): _exchange(kind, jnp.zeros(n, jnp.float32), size)
                         for kind in ("all_reduce", "all_gather") for size in (1, 2, 3, 4)
-                        for n in (1, 3, 1024, 1 << 18, 1 << 20, 1 << 21, 1 << 23)}
+                        for n in (1, 3, 1024, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 23)}
     tpudist.barrier()
     return out
 
@@ -284,6 +288,16 @@ def test_several_mib(results):
         np.testing.assert_array_equal(results[rank]["big_all_reduce"], total[:BIG * 2 + 3])
 
 
+def test_gathers_between_the_doubling_and_ring_limits(results):
+    cases = {"mid_gather": (9100, "float32", (40009,), 0), "mid_gather_dim1": (9101, "float32", (7, 5003), 1),
+             "mid_gather_bool": (9102, "bool", (150001,), 0)}
+    for key, (case, dtype, shape, dim) in cases.items():
+        expect = np.concatenate([value(r, case, dtype, shape) for r in range(N)], axis=dim)
+        for rank in range(N):
+            assert results[rank][key].dtype == expect.dtype, key
+            np.testing.assert_array_equal(results[rank][key], expect, err_msg=key)
+
+
 def test_inexact_sums_agree_bit_for_bit_across_a_group(results):
     noisy = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(N)]
     for g in GROUPINGS:
@@ -353,14 +367,17 @@ def test_repeated_small_calls(results):
 
 def test_exchange_choice(results):
     """Recursive doubling for power-of-two groups up to the size limits (float32 values of n
-    elements); XLA's own collectives otherwise, and for all-reduces of fewer elements than processes."""
-    doubling = {("all_reduce", 2, n) for n in (3, 1024, 1 << 18, 1 << 20)}  # up to 4 MiB
-    doubling |= {("all_reduce", 4, n) for n in (1024, 1 << 18)}                     # up to 1 MiB
-    doubling |= {("all_gather", 2, n) for n in (1, 3, 1024, 1 << 18)}                  # up to 1 MiB
-    doubling |= {("all_gather", 4, n) for n in (1, 3, 1024)}                           # up to 128 KiB
+    elements), then an all-to-all for all-gathers over more than 2 processes up to 256 KiB; XLA's
+    own collectives otherwise, and for all-reduces of fewer elements than processes."""
+    doubling = {("all_reduce", 2, n) for n in (3, 1024, 1 << 16, 1 << 18, 1 << 20)}  # up to 4 MiB
+    doubling |= {("all_reduce", 4, n) for n in (1024, 1 << 16, 1 << 18)}                     # up to 1 MiB
+    doubling |= {("all_gather", 2, n) for n in (1, 3, 1024, 1 << 16, 1 << 18)}                  # up to 1 MiB
+    doubling |= {("all_gather", 4, n) for n in (1, 3, 1024)}                                    # up to 128 KiB
+    all_to_all = {("all_gather", 4, 1 << 16)}                                                  # up to 256 KiB
     choices = results[0]["exchanges"]
     assert {key for key, choice in choices.items() if choice == "doubling"} == doubling
-    assert {key for key, choice in choices.items() if choice == "native"} == set(choices) - doubling
+    assert {key for key, choice in choices.items() if choice == "all_to_all"} == all_to_all
+    assert {key for key, choice in choices.items() if choice == "native"} == set(choices) - doubling - all_to_all
 
 
 def test_structure_kinds_and_scalars(results):

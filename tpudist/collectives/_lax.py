@@ -78,10 +78,19 @@ def gather(x: jax.Array, dim: int, axis: str, exchange: str = "native") -> jax.A
 
     exchange="doubling" (a power-of-two number of participants): log2(size) collective-permute
     steps, each swapping the blocks gathered so far with participant i ^ 2**k, instead of XLA's
-    all-gather (on CPU, gloo's ring of size - 1 steps); the same bytes move.
+    all-gather (on CPU, gloo's ring of size - 1 steps); "all_to_all": one all-to-all of `size`
+    copies of the block, so that every participant sends its block to every other at once. The
+    same bytes move in all three.
     """
     if x.size == 0:
         return _empty(x, x.shape[:dim] + (x.shape[dim] * lax.psum(1, axis),) + x.shape[dim + 1:])
+    if exchange == "all_to_all":
+        size = lax.psum(1, axis)
+        block = _wire(x if x.ndim else x.reshape(1))
+        received = lax.all_to_all(jnp.broadcast_to(block, (size,) + block.shape), axis, 0, 0)
+        # (size, *shape): participant j's block at j; concatenated along `dim` in that order
+        out = jnp.moveaxis(received, 0, dim)
+        return out.reshape(block.shape[:dim] + (size * block.shape[dim],) + block.shape[dim + 1:]).astype(x.dtype)
     if exchange == "doubling":
         size = lax.psum(1, axis)
         out = _wire(x if x.ndim else x.reshape(1))

@@ -47,6 +47,13 @@ def _check_op(op: str, dtypes: Sequence[Any], scale: float) -> None:
 # the ring won again in the latest runs (16 MiB: 26-31 ms against 46-66 ms).
 DOUBLING_MAX_BYTES = {("all_reduce", 2): 4 << 20, ("all_reduce", "more"): 1 << 20,
                       ("all_gather", 2): 1 << 20, ("all_gather", "more"): 128 << 10}
+# Past the doubling limit, an all-gather over more than 2 processes on CPU exchanges its blocks with
+# one all-to-all (every process sends to every other at once) instead of gloo's ring of P - 1
+# dependent steps, up to this many bytes per process (its input is P copies of the block). 4
+# processes, 1 MiB gathered, alternating with the ring four times: 0.89-0.96x gloo against
+# 1.24-1.37x; at 1 and 4 MiB per process the ring was as quick or quicker (0.86-0.88x against
+# 0.97x; 0.73-1.02x against 1.18-1.20x).
+ALL_TO_ALL_GATHER_MAX_BYTES = 256 << 10
 
 
 # Host values (torch tensors, numpy arrays, scalars) of at most this many bytes per process, all
@@ -57,7 +64,8 @@ STAGE_MAX_BYTES = 64 << 10
 
 def _exchange(kind: str, value: jax.Array, size: int) -> str:
     """How an eager collective of `value` over groups of `size` exchanges: "doubling" or "native"
-    (all_reduce, all_gather); "halving" or "all_to_all" (reduce_scatter)."""
+    (all_reduce), "doubling", "all_to_all" or "native" (all_gather); "halving" or "all_to_all"
+    (reduce_scatter)."""
     if kind == "reduce_scatter":
         # Recursive halving for pairs on CPU: 0.55-0.68x gloo from 4 MiB against all_to_all's
         # 0.73-0.88x (scripts/bench_collectives.py); for 4 processes it measured mixed (faster at
@@ -68,7 +76,11 @@ def _exchange(kind: str, value: jax.Array, size: int) -> str:
     if kind == "all_reduce" and value.size < size:
         return "native"
     nbytes = value.size * value.dtype.itemsize
-    return "doubling" if nbytes <= DOUBLING_MAX_BYTES[(kind, 2 if size == 2 else "more")] else "native"
+    if nbytes <= DOUBLING_MAX_BYTES[(kind, 2 if size == 2 else "more")]:
+        return "doubling"
+    if kind == "all_gather" and size > 2 and nbytes <= ALL_TO_ALL_GATHER_MAX_BYTES:
+        return "all_to_all"
+    return "native"
 
 
 def _dim(dim: int, ndim: int, what: str) -> int:
