@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-AGENT_DEFERS = '("asyncio", "grpc.aio", "google.protobuf.internal.python_message")'
-
 
 def run_python(code: str, tmp_path=None) -> str:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -22,7 +20,7 @@ def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
     # channel and server with the generated stubs) must not need them, or deferring gains nothing.
     out = run_python(f"""
         from tpudist.launch import _deferred
-        assert _deferred.defer({AGENT_DEFERS}) == sorted({AGENT_DEFERS})
+        assert _deferred.defer(_deferred.AGENT_MODULES) == sorted(_deferred.AGENT_MODULES)
         from concurrent import futures
         import grpc
         from tpudist.launch import control_pb2 as pb, control_pb2_grpc as pb_grpc
@@ -47,16 +45,16 @@ def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
         server.stop(None)
         request = pb.RegisterRequest.FromString(pb.RegisterRequest(host="x", worker=3).SerializeToString())
         assert (request.host, request.worker) == ("x", 3)
-        print([_deferred.is_loaded(n) for n in {AGENT_DEFERS}])
+        print([_deferred.is_loaded(n) for n in _deferred.AGENT_MODULES])
     """)
     assert out.strip() == "[False, False, False]"
 
 
 def test_a_deferred_module_is_whole_on_first_use():
-    out = run_python(f"""
+    out = run_python("""
         import sys
         from tpudist.launch import _deferred
-        _deferred.defer({AGENT_DEFERS})
+        _deferred.defer(_deferred.AGENT_MODULES)
         import asyncio                      # binds the placeholder
         import grpc
         assert not _deferred.is_loaded("asyncio") and not _deferred.is_loaded("grpc.aio")

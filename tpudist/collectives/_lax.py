@@ -84,18 +84,17 @@ def gather(x: jax.Array, dim: int, axis: str, exchange: str = "native") -> jax.A
     """
     if x.size == 0:
         return _empty(x, x.shape[:dim] + (x.shape[dim] * lax.psum(1, axis),) + x.shape[dim + 1:])
-    if exchange == "all_to_all":
+    if exchange in ("all_to_all", "doubling"):
         size = lax.psum(1, axis)
         block = _wire(x if x.ndim else x.reshape(1))
-        received = lax.all_to_all(jnp.broadcast_to(block, (size,) + block.shape), axis, 0, 0)
-        # (size, *shape): participant j's block at j; concatenated along `dim` in that order
-        out = jnp.moveaxis(received, 0, dim)
-        return out.reshape(block.shape[:dim] + (size * block.shape[dim],) + block.shape[dim + 1:]).astype(x.dtype)
-    if exchange == "doubling":
-        size = lax.psum(1, axis)
-        out = _wire(x if x.ndim else x.reshape(1))
+        if exchange == "all_to_all":
+            received = lax.all_to_all(jnp.broadcast_to(block, (size,) + block.shape), axis, 0, 0)
+            # (size, *shape): participant j's block at j; concatenated along `dim` in that order
+            out = jnp.moveaxis(received, 0, dim).reshape(
+                block.shape[:dim] + (size * block.shape[dim],) + block.shape[dim + 1:])
+            return out.astype(x.dtype)
         position = lax.axis_index(axis)
-        step = 1
+        out, step = block, 1
         while step < size:
             other = lax.ppermute(out, axis, perm=_partners(size, step))
             # the participant with bit `step` clear holds the lower-ranked half

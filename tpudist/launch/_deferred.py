@@ -20,6 +20,9 @@ import sys
 import types
 from collections.abc import Iterable
 
+# what the agent defers: imported by grpc and protobuf, never used by the agent
+AGENT_MODULES = ("asyncio", "grpc.aio", "google.protobuf.internal.python_message")
+
 # attributes the import system reads from a module in sys.modules without using its contents
 _PASSIVE = frozenset({"__spec__", "__name__", "__class__"})
 

@@ -26,7 +26,7 @@ import time
 
 if __name__ == "__main__":  # the agent's own process: what grpc and protobuf import but it never uses
     from tpudist.launch import _deferred
-    _deferred.defer(("asyncio", "grpc.aio", "google.protobuf.internal.python_message"))
+    _deferred.defer(_deferred.AGENT_MODULES)
 
 import grpc  # noqa: E402
 
