@@ -9,7 +9,10 @@ Single process, two comparisons per model and batch:
   eager vs `tpudist.compile(model)` (the optimizer update is left out of both);
 - a whole training step with SGD (momentum 0.9): eager `zero_grad / forward / backward /
   opt.step()` vs `tpudist.compile_train_step` (everything in one XLA executable).
-Data parallel (`--dp-processes`, default 2, spawned with tpudist.spawn): torch
+`--hf` adds third-party models as users bring them, from `transformers` configs (random
+weights): ResNet-18 (`ResNetForImageClassification`, batch 4 x 3 x 64 x 64) and BERT-tiny (2 layers,
+hidden 128, sequence 128), each trained on its own loss (`model(**batch).loss`), the same two
+comparisons. Data parallel (`--dp-processes`, default 2, spawned with tpudist.spawn): torch
 DistributedDataParallel over gloo vs the fused step, each process on its share of the global
 batch, same model and optimizer.
 
@@ -140,6 +143,90 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
     }
 
 
+def _hf_models() -> dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], dict]]]:
+    """name -> (build the model, make a batch of n): the `--hf` models."""
+    import transformers as T
+
+    def resnet18() -> torch.nn.Module:
+        return T.ResNetForImageClassification(T.ResNetConfig(
+            embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2], layer_type="basic",
+            num_labels=10))
+
+    def bert_tiny() -> torch.nn.Module:  # google/bert_uncased_L-2_H-128_A-2's shape
+        return T.BertForSequenceClassification(T.BertConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, num_labels=2))
+
+    def images(n: int) -> dict:
+        g = torch.Generator().manual_seed(0)
+        return {"pixel_values": torch.randn(n, 3, 64, 64, generator=g), "labels": torch.randint(0, 10, (n,), generator=g)}
+
+    def tokens(n: int) -> dict:
+        g = torch.Generator().manual_seed(0)
+        return {"input_ids": torch.randint(0, 30522, (n, 128), generator=g),
+                "attention_mask": torch.ones(n, 128, dtype=torch.int64),
+                "labels": torch.randint(0, 2, (n,), generator=g)}
+
+    return {"resnet18": (resnet18, images), "bert_tiny": (bert_tiny, tokens)}
+
+
+def bench_hf(name: str, batch: int, steps: int, repeats: int, warmup: int, device: str = "cpu") -> dict[str, Any]:
+    """One row for a `--hf` model: forward+backward of its own loss, eager vs `tpudist.compile`,
+    and a whole SGD-momentum step, eager vs `compile_train_step(model, None, opt)`."""
+    build, make_batch = _hf_models()[name]
+    torch.manual_seed(0)
+    model = build().to(device).train()
+    data = {k: v.to(device) for k, v in make_batch(batch).items()}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    eager, train_model, fused_model = (copy.deepcopy(model) for _ in range(3))
+    compiled = tpudist.compile(model)
+    opt = _sgd(train_model.parameters())
+    fused = tpudist.compile_train_step(fused_model, None, _sgd(fused_model.parameters()))
+
+    def fb(module: torch.nn.Module, params: list) -> Callable[[], None]:
+        def step() -> None:
+            for p in params:
+                p.grad = None
+            module(**data).loss.backward()
+        return step
+
+    def eager_train() -> None:
+        opt.zero_grad()
+        train_model(**data).loss.backward()
+        opt.step()
+
+    eager_step, compiled_step = fb(eager, list(eager.parameters())), fb(compiled, list(model.parameters()))
+    start = time.perf_counter()
+    compiled_step()
+    sync()
+    first_call = time.perf_counter() - start
+    eager.eval()
+    model.eval()
+    with torch.no_grad():  # in eval mode: no dropout, so the two sides must agree
+        loss_eager, loss_compiled = float(eager(**data).loss), float(compiled(**data).loss)
+    eager.train()
+    model.train()
+    if not abs(loss_eager - loss_compiled) <= 1e-3 * max(1.0, abs(loss_eager)):
+        raise AssertionError(f"{name} batch {batch}: compiled loss {loss_compiled} != eager {loss_eager}")
+    start = time.perf_counter()
+    float(fused(data))
+    fused_first = time.perf_counter() - start
+    for _ in range(warmup):
+        for step in (eager_step, compiled_step, eager_train, lambda: fused(data)):
+            step()
+    times = _time_interleaved({"eager": eager_step, "compiled": compiled_step, "eager_train": eager_train,
+                               "fused": lambda: fused(data)}, steps, repeats, sync)
+    return {
+        "model": name, "batch": batch, "device": device, "params": sum(p.numel() for p in model.parameters()),
+        "eager_ms": times["eager"] * 1e3, "compiled_ms": times["compiled"] * 1e3,
+        "speedup": times["eager"] / times["compiled"],
+        "eager_train_ms": times["eager_train"] * 1e3, "fused_train_ms": times["fused"] * 1e3,
+        "fused_speedup": times["eager_train"] / times["fused"],
+        "loss_eager": loss_eager, "loss_compiled": loss_compiled,
+        "first_call_s": first_call, "fused_first_call_s": fused_first,
+        "capture_s": compiled.stats.capture_seconds,
+    }
+
+
 def _data_parallel_worker(index: int, models: list[str], batches: list[int], steps: int, repeats: int,
                           warmup: int, threads: int) -> list[dict[str, Any]]:
     """In each of the spawned processes: torch DDP (gloo) and the fused step on the same model,
@@ -225,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-processes", type=int, default=2, help="processes of the DDP vs fused comparison")
     parser.add_argument("--dp-torch-threads", type=int, default=1,
                         help="torch threads per DDP process (default 1: the processes share the cores)")
+    parser.add_argument("--hf", nargs="*", choices=["resnet18", "bert_tiny"],
+                        help="also the transformers models (all when given without names), at --hf-batches")
+    parser.add_argument("--hf-batches", nargs="+", type=int, default=[4], help="batches of the --hf models")
     parser.add_argument("--skip-single", action="store_true", help="only the data-parallel comparison")
     parser.add_argument("--skip-dp", action="store_true", help="only the single-process comparison")
     parser.add_argument("--device", default="cpu", help="torch device of the single-process comparison: "
@@ -269,22 +359,24 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(result, indent=2))
         return result
 
-    for name in ([] if args.skip_single else args.models):
-        for batch in args.batches:
-            try:
-                rows.append(bench_model(name, batch, args.steps, args.repeats, args.warmup, args.device))
-            except Exception as error:
-                if not args.keep_going:
-                    raise
-                import traceback
-                errors.append({"model": name, "batch": batch, "error": traceback.format_exc()})
-                print(f"  {name} batch {batch}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-                continue
-            finally:
-                report()
-            print(f"  {name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, "
-                  f"compiled {rows[-1]['compiled_ms']:.2f} ms, eager train step {rows[-1]['eager_train_ms']:.2f} ms, "
-                  f"fused {rows[-1]['fused_train_ms']:.2f} ms", file=sys.stderr, flush=True)
+    hf = [] if args.hf is None else (args.hf or ["resnet18", "bert_tiny"])
+    jobs = [(name, batch, bench_model) for name in ([] if args.skip_single else args.models) for batch in args.batches]
+    jobs += [(name, batch, bench_hf) for name in hf for batch in args.hf_batches]
+    for name, batch, bench in jobs:
+        try:
+            rows.append(bench(name, batch, args.steps, args.repeats, args.warmup, args.device))
+        except Exception as error:
+            if not args.keep_going:
+                raise
+            import traceback
+            errors.append({"model": name, "batch": batch, "error": traceback.format_exc()})
+            print(f"  {name} batch {batch}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            continue
+        finally:
+            report()
+        print(f"  {name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, "
+              f"compiled {rows[-1]['compiled_ms']:.2f} ms, eager train step {rows[-1]['eager_train_ms']:.2f} ms, "
+              f"fused {rows[-1]['fused_train_ms']:.2f} ms", file=sys.stderr, flush=True)
     if not args.skip_dp and not cuda:
         dp_rows.extend(bench_fused_data_parallel(args))
     result = report()

@@ -191,6 +191,121 @@ def test_compiled_module_with_sharded_embedding_equals_eager_in_one_process():
         np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+class Dropped(nn.Module):
+    """`(dropout(x) * w).sum(-1)`: with x all ones, w's gradient is the (negated) dropout mask."""
+
+    def __init__(self, width: int = 64, p: float = 0.5):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(width))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return (self.drop(x) * self.w).sum(-1)
+
+
+def mean_output(out, target):
+    return -out.mean()
+
+
+def test_dropout_in_the_fused_step_is_new_every_step_and_reproducible():
+    def run(seed, steps=3):
+        torch.manual_seed(seed)
+        model = Dropped()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        step = tpudist.compile_train_step(model, mean_output, opt)
+        x = torch.ones(1, 64)
+        updates = []
+        for _ in range(steps):
+            before = model.w.detach().clone()
+            step((x, torch.zeros(1)))
+            updates.append((model.w.detach() - before).numpy())
+        return np.stack(updates)
+
+    first, again, other = run(0), run(0), run(1)
+    np.testing.assert_array_equal(first, again)         # torch.manual_seed reproduces the masks
+    assert not np.array_equal(first, other)
+    assert not np.array_equal(first[0], first[1])        # a new mask every step
+    # kept units are scaled by 1 / (1 - p): each update is 0 or 2, about half of each
+    assert set(np.unique(first).tolist()) == {0.0, 2.0}
+    assert 0.25 < (first == 0).mean() < 0.75
+
+
+def test_autocast_around_the_fused_step_is_honoured_as_in_eager():
+    """bf16 autocast around the step: the model runs under it (its output is bfloat16 inside the
+    step, as in eager autocast) while parameters stay float32, and 3 steps equal eager autocast
+    training within bfloat16's precision."""
+    def loss_fn(out, target):  # adds 10 exactly when the model's output is bfloat16 (autocast on)
+        return F.cross_entropy(out.float(), target) + (10.0 if out.dtype == torch.bfloat16 else 0.0)
+
+    model, ref = mlp(), mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = tpudist.compile_train_step(model, loss_fn, opt)
+    losses, ref_losses = [], []
+    for x, y in batches(count=3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(step((x, y)).item())
+            ref_opt.zero_grad()
+            loss = loss_fn(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    assert min(losses) > 10 and min(ref_losses) > 10
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=2e-2, atol=2e-3, err_msg=name)
+    # outside autocast the same step is float32 again: another signature
+    assert step(batches(count=1)[0]).item() < 10
+    assert step.stats.compiles == 2
+
+
+def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch():
+    data = batches(n=8, count=3)
+    model, whole, ref = mlp(), mlp(), mlp()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    accumulated = tpudist.compile_train_step(model, F.cross_entropy, make(model.parameters()), accumulate_steps=4)
+    one = tpudist.compile_train_step(whole, F.cross_entropy, make(whole.parameters()))
+    ref_opt = make(ref.parameters())
+    for x, y in data:
+        a, b = accumulated((x, y)).item(), one((x, y)).item()
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+        ref_opt.zero_grad()
+        for xm, ym in zip(x.chunk(4), y.chunk(4)):   # eager torch's gradient accumulation
+            (F.cross_entropy(ref(xm), ym) / 4).backward()
+        ref_opt.step()
+    assert_same_state(model, whole)
+    assert_same_state(model, ref)
+    with pytest.raises(ValueError, match=r"4 micro-batches; use a per-process batch size that is a multiple of 4"):
+        accumulated(batches(n=6, count=1)[0])
+
+
+def test_accumulation_with_batchnorm_matches_eager_accumulation_and_fit_groups_batches():
+    """With BatchNorm the micro-batches are separate forwards (statistics per micro-batch, the
+    running statistics updated once per micro-batch), as eager accumulation runs them; fit's
+    accumulate_steps=2 makes two loader batches one step."""
+    model, ref = conv_net(), conv_net()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(6)]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]),
+                                                                        torch.cat([y for _, y in data])), batch_size=4)
+    history = tpudist.fit(model, loader, opt, F.cross_entropy, accumulate_steps=2, log=False)
+    losses = []
+    for i in range(0, 6, 2):
+        ref_opt.zero_grad()
+        total = 0.0
+        for x, y in data[i:i + 2]:
+            loss = F.cross_entropy(ref(x), y) / 2
+            loss.backward()
+            total += loss.item()
+        ref_opt.step()
+        losses.append(total)
+    assert_same_state(model, ref, atol=1e-5)   # parameters and running statistics
+    assert history[0]["examples"] == 24
+    np.testing.assert_allclose(history[0]["loss"], np.mean(losses), rtol=1e-5)
+
+
 # -- data parallel: 2 processes x 2 CPU devices ------------------------------------------------------
 
 N, DEVICES = 2, 2
@@ -243,6 +358,13 @@ def on_rank() -> dict:
     out["compiled_bag_table"] = model.emb.full_weight().numpy()
     out["compiled_bag_head"] = {k: v.numpy().copy() for k, v in model.head.state_dict().items()}
     out["compiled_bag_compiles"] = compiled.stats.compiles
+    # dropout: every device its own mask (x all ones, one row per device: w's update is the mean
+    # over the 4 devices of their masks)
+    torch.manual_seed(0)
+    model = Dropped()
+    step = tpudist.compile_train_step(model, mean_output, torch.optim.SGD(model.parameters(), lr=1.0))
+    step((torch.ones(DEVICES, 64), torch.zeros(DEVICES)))
+    out["dropout_update"] = model.w.detach().numpy().copy()
     return out
 
 
@@ -275,6 +397,14 @@ def test_sharded_embedding_trains_compiled_like_a_dense_bag(ranks, how):
                                        err_msg=f"rank {rank} head.{key}")
     if how == "compiled_bag":
         assert [r["compiled_bag_compiles"] for r in ranks] == [1, 1]
+
+
+def test_dropout_masks_differ_across_devices_and_processes(ranks):
+    updates = [r["dropout_update"] for r in ranks]
+    np.testing.assert_array_equal(updates[0], updates[1])   # one update, the same on every process
+    # the mean of 4 devices' masks (each 0 or 2 per unit): identical masks would give only 0 or 2
+    levels = set(np.round(updates[0], 4).tolist())
+    assert levels <= {0.0, 0.5, 1.0, 1.5, 2.0} and levels & {0.5, 1.0, 1.5}, levels
 
 
 def test_torch_example_trains_through_the_launcher():

@@ -142,6 +142,83 @@ def test_untraceable_forward_and_unknown_options_are_clear_errors():
         tpudist.compile(torch.nn.Linear(2, 2), mesh="data")
 
 
+def test_failing_decomposition_and_lowering_name_the_op_module_and_way_out(monkeypatch):
+    """Failures inside torch's decomposition or inside a lowering are CaptureError /
+    UnsupportedOpError naming the op, the module path and what to do, not a bare torch or JAX
+    error. Stand-ins for a broken decomposition and a broken lowering, named as such below."""
+    from tpudist.compile._torch import _capture, _registry
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.GELU()))
+    table = dict(_capture._decompositions())
+
+    def broken_gelu_decomposition(x, approximate="none"):  # stand-in: a decomposition that fails
+        return x.view(-1, 7)
+
+    table[torch.ops.aten.gelu.default] = broken_gelu_decomposition
+    monkeypatch.setattr(_capture, "_decompositions", lambda: table)
+    with pytest.raises(CaptureError) as info:
+        tpudist.compile(model)(torch.randn(2, 4))
+    message = str(info.value)
+    assert "aten.gelu.default" in message and "module '1.0' (GELU)" in message and "outside the compiled" in message
+    monkeypatch.undo()
+
+    def broken_gelu_lowering(x, approximate="none"):  # stand-in: a lowering that fails
+        raise ValueError("no such layout")
+
+    entry = _registry.lookup(torch.ops.aten.gelu.default)
+    monkeypatch.setitem(_registry._REGISTRY, torch.ops.aten.gelu.default,
+                        _registry.Lowering(entry.op, broken_gelu_lowering))
+    with pytest.raises(UnsupportedOpError) as info:
+        tpudist.compile(model)(torch.randn(2, 4))
+    message = str(info.value)
+    assert "aten.gelu.default" in message and "module '1.0' (GELU)" in message
+    assert "no such layout" in message and "(2, 4) torch.float32" in message
+
+
+def test_autocast_around_a_compiled_module_runs_it_as_eager_autocast_does():
+    """bf16 autocast around `cm(x)`: every output has eager autocast's dtype (convs and matmuls in
+    bfloat16, a float32 sum stays float32), values within bfloat16 precision, float32
+    gradients for the float32 parameters; outside autocast the module is float32 again."""
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.fc = torch.nn.Linear(16, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            c = self.conv(x)
+            h = self.fc(c.flatten(2))
+            return c, h, self.norm(h), h.softmax(-1), h.float().sum()
+
+    torch.manual_seed(0)
+    model = Mixed()
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model)
+    cm = tpudist.compile(model)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = cm(x), eager(x)
+    full = exact(x)  # float32: the reference both bfloat16 runs are judged against
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert (got[0].dtype, got[1].dtype, got[4].dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+
+    def as_close(what, g, w, f):  # compiled bf16 is as near float32 as eager bf16 is (within 3x)
+        error, floor = (g.float() - f).norm().item(), (w.float() - f).norm().item()
+        assert error <= 3 * floor + 1e-6 * f.norm().item(), \
+            f"{what}: compiled {error:.3g} from float32, eager {floor:.3g}"
+
+    for i, (g, w, f) in enumerate(zip(got, want, full)):
+        as_close(f"output {i}", g, w, f.detach())
+    assert (got[1].float() - full[1]).norm() > 1e-4  # bfloat16 really was used
+    for outputs in (got, want, full):
+        sum(t.float().sum() for t in outputs).backward()
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        assert p.grad.dtype == torch.float32
+        as_close(f"grad {name}", p.grad, q.grad, r.grad)
+    assert cm(x)[1].dtype == torch.float32
+    assert cm.stats.compiles == 2
+
+
 def test_signatures_accumulation_unused_parameters_and_stale_backward():
     class Model(torch.nn.Module):
         def __init__(self):

@@ -513,28 +513,58 @@ def test_compiled_attention():
         *mha(x, x, x, key_padding_mask=padding)), q, k, v, boolean, additive, x, padding, rtol=1e-4)
 
 
-def test_attention_captured_as_on_a_gpu(monkeypatch):
-    """On CUDA tensors, capture forces scaled_dot_product_attention's math form (the fused CUDA
-    kernels have no decomposition). No GPU here: force the same choice on CPU tensors, check that
-    every op of that graph lowers and that outputs and gradients equal eager torch."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from tpudist.compile._torch import _capture
-    cpu_module = torch.nn.Linear(2, 2)
-    assert _capture._portable_attention(cpu_module, (torch.ones(2),), {}) is contextlib.nullcontext
-    # any tensor off the CPU (a meta tensor stands in for a CUDA one) selects the math kernel
-    assert _capture._portable_attention(cpu_module, (torch.ones(2, device="meta"),), {}) is not contextlib.nullcontext
-    monkeypatch.setattr(_capture, "_portable_attention", lambda *args: (lambda: sdpa_kernel([SDPBackend.MATH])))
-    torch.manual_seed(0)
+def test_compiled_attention_forms():
+    """Every form of F.scaled_dot_product_attention torch users (and Llama) write, values and
+    gradients: grouped-query heads, a causal mask over more keys than queries, a scale, per-batch
+    broadcast masks, 3-d inputs, a value width other than the key's."""
+    q, kv = randn(2, 4, 3, 8), randn(2, 2, 6, 8, seed=1)
+    per_batch = torch.rand(2, 1, 3, 6, generator=torch.Generator().manual_seed(2)) > 0.4
+    per_batch[..., 0] = True
+    bias = randn(1, 4, 3, 6, seed=3)
+    q3, k3, v3 = randn(3, 5, 8, seed=4), randn(3, 7, 8, seed=5), randn(3, 7, 2, seed=6)
+    check_compiled(lambda q, kv, per_batch, bias, q3, k3, v3: (
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True),
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True, scale=0.3),
+        F.scaled_dot_product_attention(q, kv.repeat_interleave(2, 1), kv.repeat_interleave(2, 1), attn_mask=per_batch),
+        F.scaled_dot_product_attention(q, kv.repeat_interleave(2, 1), kv.repeat_interleave(2, 1), attn_mask=bias),
+        F.scaled_dot_product_attention(q3, k3, v3, is_causal=True),
+        F.scaled_dot_product_attention(q3, k3, v3, scale=2.0)), q, kv, per_batch, bias, q3, k3, v3, rtol=1e-4)
+
+
+def test_attention_is_one_op_and_its_dropout_is_random():
+    from tpudist.compile._torch._capture import capture
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-    x = randn(2, 5, 8, seed=1)
-    padding = torch.tensor([[False, False, False, True, True], [False] * 5])
-    compiled = tpudist.compile(copy.deepcopy(layer))
-    expected, got = layer(x, src_key_padding_mask=padding), compiled(x, src_key_padding_mask=padding)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    expected.square().sum().backward()
-    got.square().sum().backward()
-    for (name, a), b in zip(layer.named_parameters(), compiled.module.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    captured = capture(Fn(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)), (randn(2, 2, 5, 4),), {})
+    assert captured.op_counts == {"tpudist.attention.default": 1}  # not torch's matmuls and softmax
+    assert not captured.has_random
+    assert "tpudist.attention.default" in capture(layer, (randn(2, 5, 8),), {}).op_counts
+    # with dropout: the weights are dropped out and rescaled, so with all-ones values every output
+    # is the sum of the kept weights / (1 - p): 1 on average, not always; a new draw every call
+    q, v = randn(4, 2, 64, 8), torch.ones(4, 2, 64, 8)
+    cm = tpudist.compile(Fn(lambda q, v: F.scaled_dot_product_attention(q, q, v, dropout_p=0.5)))
+    torch.manual_seed(3)
+    first = cm(q, v)
+    torch.manual_seed(3)
+    again, other = cm(q, v), cm(q, v)
+    torch.testing.assert_close(first, again)
+    assert not torch.equal(first, other)
+    assert first.std() > 0.05 and abs(first.mean().item() - 1.0) < 0.05
+    assert cm.stats.compiles == 1
+
+
+def test_compiled_as_strided_views():
+    """as_strided written by users and emitted by torch's own decompositions (a mean over a
+    permuted, channels-last tensor; unfold), on contiguous and permuted inputs."""
+    x = randn(4, 6)
+    nhwc = randn(2, 5, 5, 3)
+    check_compiled(lambda x, nhwc: (
+        x.as_strided((3, 4), (6, 1)),            # a block
+        x.as_strided((6, 4), (1, 6)),            # the transpose
+        x.as_strided((5, 3), (2, 3), 1),         # overlapping windows, with an offset
+        x.t().as_strided((2, 3), (1, 6)),        # through a permuted input's storage
+        x.unfold(1, 3, 2),
+        F.adaptive_avg_pool2d(nhwc.permute(0, 3, 1, 2), 1),
+        nhwc.permute(0, 3, 1, 2).mean((-1, -2), keepdim=True)), x, nhwc)
 
 
 def test_compiled_indexing_and_shapes():

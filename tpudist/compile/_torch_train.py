@@ -80,14 +80,17 @@ def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[i
     return optimizer.step(**(optimizer_args or {}))
 
 
-def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                        optimizer: torch.optim.Optimizer, *, mesh: Any = None,
-                       max_grad_norm: float | None = None) -> StepFn:
+                       max_grad_norm: float | None = None, accumulate_steps: int = 1) -> StepFn:
     """The fused data-parallel step: forward, backward, the gradient all-reduce and the optimizer
     update in ONE XLA executable. Returns `step(batch) -> loss`; `fit` uses it by default.
 
     `batch` is this process's `(*inputs, target)`; the step runs `loss_fn(model(*inputs), target)`
-    (captured together with torch.export; `loss_fn` must return a mean-reduced scalar), averages
+    (captured together with torch.export; `loss_fn` must return a mean-reduced scalar). With
+    `loss_fn=None` the model computes its own loss, as Hugging Face models do when the batch holds
+    `labels`: the batch is what the model takes (a dict: `model(**batch)`; a tuple: `model(*batch)`)
+    and the loss is `output.loss` (or `output["loss"]`, `output[0]`, or the output itself). It averages
     the gradients over every device of every process in-graph, and applies `optimizer`'s update
     inside the executable: torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize),
     Adam (amsgrad, weight decay) and AdamW, matching torch.optim's numbers. Hyperparameters are read
@@ -100,38 +103,87 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
     split over its own devices (BatchNorm statistics are per device, as with DDP; the running
     statistics are averaged over devices after each step).
 
+    `accumulate_steps=K` splits each device's share of the batch into K micro-batches, run one after
+    another inside the executable, and averages their gradients before one update: the same update
+    as one step on the whole batch (for a mean-reduced loss), in the memory of one micro-batch.
+
+    Random ops (dropout) draw from a key that lives on the devices and advances every step, folded
+    with each device's position, seeded from torch's default generator when the step first runs (so
+    `torch.manual_seed` before it makes the run reproducible). `torch.autocast` around a call is
+    honoured: the step is captured inside the same autocast (bf16 matmuls, fp32 parameters).
+
     `tpudist.nn.ShardedEmbedding` layers train inside the step: their lookups become in-graph
-    collectives. A new batch shape or train/eval mode compiles once more (`step.stats`).
+    collectives. A new batch shape, train/eval mode or autocast setting compiles once more (`step.stats`).
 
         step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
         loss = step((x_local, y_local))
+        step = tpudist.compile_train_step(bert, None, opt)          # Hugging Face: the model's loss
+        loss = step({"input_ids": ids, "attention_mask": mask, "labels": labels})
     """
     from tpudist.compile._torch._fused import TrainStep
-    return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm)
+    return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm,
+                     accumulate_steps=accumulate_steps)
 
 
-def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-               optimizer: torch.optim.Optimizer) -> StepFn:
+def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+               optimizer: torch.optim.Optimizer, *, accumulate_steps: int = 1) -> StepFn:
     """A step for `fit(step_fn=...)`: eager forward and backward, then `optimizer_step`.
 
     The returned function takes one batch, a tuple or list `(*inputs, target)`, runs
-    `loss_fn(model(*inputs), target)`, and returns this process's loss (detached). Example::
+    `loss_fn(model(*inputs), target)`, and returns this process's loss (detached). With
+    `loss_fn=None` the batch is what the model takes and the model returns its loss, as in
+    `compile_train_step`. `accumulate_steps=K` splits the batch into K micro-batches whose
+    gradients are averaged before the one update. Example::
 
         step = eager_step(model, torch.nn.functional.mse_loss, opt)
         loss = step((x, y))
     """
+    from tpudist.compile._torch._fused import call_model, model_loss
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        if loss_fn is None:
+            return model_loss(call_model(model, batch))
+        return loss_fn(model(*batch[:-1]), batch[-1])
+
     def step(batch: Any) -> torch.Tensor:
-        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        if loss_fn is not None and (not isinstance(batch, (tuple, list)) or len(batch) < 2):
             raise TypeError(f"rank {tpudist.process_index()}: fit's default step takes batches (*inputs, "
                             f"target), got {type(batch).__name__}"
                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-                            + "; pass step_fn= for other batch layouts")
+                            + "; pass loss_fn=None if the model computes its loss, or step_fn= for other layouts")
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*batch[:-1]), batch[-1])
-        loss.backward()
+        total = 0.0
+        for micro in split_batch(batch, accumulate_steps):
+            loss = loss_of(micro) / accumulate_steps
+            loss.backward()
+            total = total + loss.detach()
         optimizer_step(optimizer)
-        return loss.detach()
+        return total
     return step
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """`batch` (any pytree of tensors with a leading batch dim) as `parts` equal slices."""
+    if parts == 1:
+        return [batch]
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    chunks = [leaf.chunk(parts) if isinstance(leaf, torch.Tensor) else [leaf] * parts for leaf in leaves]
+    if any(len(c) != parts for c in chunks):
+        raise ValueError(f"a batch with leading sizes {[l.shape[0] for l in leaves if isinstance(l, torch.Tensor)]} "
+                         f"does not split into accumulate_steps={parts} micro-batches")
+    return [torch.utils._pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(parts)]
+
+
+def concat_batches(batches: list[Any]) -> Any:
+    """Batches of one structure joined along their leading dim (one step's K micro-batches)."""
+    if len(batches) == 1:
+        return batches[0]
+    flat = [torch.utils._pytree.tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise ValueError("fit(accumulate_steps=...): consecutive batches have different structures")
+    leaves = [torch.cat(ls) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*(l for l, _ in flat))]
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
 # fit's fused steps, kept per model so that calling fit once per epoch (to evaluate or step an LR
@@ -139,12 +191,13 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-                    optimizer: torch.optim.Optimizer) -> StepFn:
+def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                    optimizer: torch.optim.Optimizer, accumulate_steps: int) -> StepFn:
     steps = _FUSED.setdefault(model, {})
-    key = (id(loss_fn), id(optimizer))
+    key = (id(loss_fn), id(optimizer), accumulate_steps)
     if key not in steps or steps[key][0] is not loss_fn or steps[key][1] is not optimizer:
-        steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer))
+        steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer,
+                                                             accumulate_steps=accumulate_steps))
     return steps[key][2]
 
 
@@ -168,6 +221,16 @@ def _my_batches(loader: Iterable[Any], rank: int, count: int) -> Iterator[Any]:
             mine = batch
         if i % count == count - 1:
             yield mine
+
+
+def _grouped(batches: Iterable[Any], size: int) -> Iterator[Any]:
+    """Every `size` consecutive batches as one (concatenated); a last, smaller group is dropped."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield concat_batches(group)
+            group = []
 
 
 def _examples(batch: Any) -> int:
@@ -234,8 +297,9 @@ class _Progress:
 
 
 def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[..., torch.Tensor], epochs: int = 1, *, step_fn: StepFn | None = None,
-        shard: bool = True, progress: bool | None = None, log: bool = True) -> list[dict[str, float]]:
+        loss_fn: Callable[..., torch.Tensor] | None = None, epochs: int = 1, *, step_fn: StepFn | None = None,
+        shard: bool = True, accumulate_steps: int = 1, progress: bool | None = None,
+        log: bool = True) -> list[dict[str, float]]:
     """Trains `model` data-parallel across every process; returns one record per epoch.
 
     Call it on every process. With `shard=True` every process iterates the same `loader` (same
@@ -249,20 +313,30 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     optimizer)`, is the fused XLA step (forward, backward, gradient all-reduce and update in one
     executable; SGD, Adam, AdamW). `step_fn=tpudist.eager_step(model, loss_fn, optimizer)` runs
     eager torch with `optimizer_step` instead (any optimizer, any model torch.export cannot
-    capture). Batches are `(*inputs, target)` for both. Rank 0 shows a progress bar (loss, examples/s) when
-    `progress` is True, or None and stderr is a terminal, and prints one line per epoch if `log`.
+    capture). Batches are `(*inputs, target)` for both; with `loss_fn=None` a batch is what the
+    model takes (a dict of keyword arguments, as a Hugging Face model's, `labels` included) and
+    the model returns its loss (`output.loss`). `accumulate_steps=K` makes every K consecutive
+    batches of a process one optimizer step (their gradients averaged, as `loss / K` then
+    `backward()` K times in torch would); a last group of fewer than K batches is dropped.
+    Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
+    a terminal, and prints one line per epoch if `log`.
 
     Each record: {"epoch", "loss" (mean over steps and processes of the local losses), "examples"
     (all processes), "seconds", "examples_per_s"}. Example::
 
         history = tpudist.fit(model, loader, torch.optim.Adam(model.parameters()), F.mse_loss, epochs=2)
         history[-1]["loss"]
+        tpudist.fit(bert, hf_loader, torch.optim.AdamW(bert.parameters(), lr=5e-5))   # the model's loss
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
+    if not isinstance(accumulate_steps, int) or isinstance(accumulate_steps, bool) or accumulate_steps < 1:
+        raise ValueError(f"accumulate_steps={accumulate_steps!r} must be a positive int")
     rank, count = tpudist.process_index(), tpudist.process_count()
-    step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer)
+    step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps)
     total = _check_lengths(loader, shard)
+    if total is not None:
+        total //= accumulate_steps
     bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
                     log and rank == 0)
     history: list[dict[str, float]] = []
@@ -272,7 +346,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
             bar.epoch(epoch, epochs, total)
             loss_sum, examples, steps = 0.0, 0, 0
             start = time.perf_counter()
-            for batch in (_my_batches(loader, rank, count) if shard else loader):
+            for batch in _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps):
                 loss_sum += float(_checked_step(step, batch, fused=step_fn is None))
                 examples += _examples(batch)
                 steps += 1

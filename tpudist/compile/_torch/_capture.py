@@ -4,13 +4,19 @@
 graph whose inputs are the module's parameters, buffers, lifted constants and the user's inputs,
 and whose outputs are the buffer updates (BatchNorm running statistics) and the user's outputs.
 Decomposing it to core ATen leaves ~200 op overloads to lower, all listed in one registry.
+`scaled_dot_product_attention` is kept whole (as `tpudist::attention`), one lowering: one attention
+op for XLA instead of torch's decomposition into matmuls and a softmax.
+
+The forward is traced through `FlatOutputs`, so outputs may hold objects torch.export does not
+know (a Hugging Face model's key/value cache): their tensors are graph outputs and the rest is
+kept as a template (`_outputs`). An active `torch.autocast` is part of the capture: the forward is
+traced inside the same autocast, so the graph holds its casts, as eager torch would run them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import operator
 import time
 import warnings
@@ -21,8 +27,11 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_flatten
 
-from tpudist.compile._torch._custom_ops import COLLECTIVE_OPS, STOP_GRADIENT
-from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, lookup, unsupported_message
+from tpudist.compile._torch._custom_ops import ATTENTION, COLLECTIVE_OPS, STOP_GRADIENT
+from tpudist.compile._torch._outputs import FlatOutputs, Template
+from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup, unsupported_message
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 class CaptureError(TypeError):
@@ -57,7 +66,7 @@ class Captured:
     graph: torch.fx.Graph
     inputs: list[InputSlot]
     outputs: list[OutputSlot]
-    out_spec: Any             # pytree spec of the user outputs
+    template: Template        # rebuilds the user's output from the graph's user outputs
     constants: dict[str, torch.Tensor]
     has_random: bool
     collective: bool = False  # holds ops that reach other processes (ShardedEmbedding's lookup)
@@ -66,53 +75,83 @@ class Captured:
 
 
 @functools.lru_cache(maxsize=1)
-def _decompositions() -> dict[Any, Any]:
+def _decompositions() -> Any:
     # building the table costs ~0.4 s per export when left to run_decompositions()
     return torch.export.default_decompositions()
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
+def autocast_state() -> tuple:
+    """The autocast settings in force, per device type: part of a capture's signature."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+def _autocast(state: tuple) -> Any:
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+    return stack
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "") -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
 
-    Raises CaptureError when torch.export cannot trace the forward, and UnsupportedOpError
-    (naming the op and its module path) when the graph holds an op the registry cannot lower.
+    Raises CaptureError when torch.export cannot trace the forward or decompose it, and
+    UnsupportedOpError (naming the op and its module path) when the graph holds an op the registry
+    cannot lower. `where` names the caller in messages (e.g. "tpudist.fit").
     """
     start = time.perf_counter()
+    autocast = autocast_state()
+    flat = FlatOutputs(module, context=lambda: _autocast(autocast))
     with torch.enable_grad(), warnings.catch_warnings():
         # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        attention = _portable_attention(module, args, kwargs)
         try:
-            with attention():
-                program = torch.export.export(module, args, kwargs, strict=False)
+            # the forward enters the autocast itself: one around torch.export is not traced
+            program = torch.export.export(flat, args, kwargs, strict=False)
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CaptureError(
                 f"torch -> XLA: torch.export could not trace {type(module).__name__}.forward for inputs "
-                f"{_describe(args, kwargs)}: {type(exc).__name__}: {first}. Data-dependent Python control "
-                "flow and shapes are the usual cause; move that part outside the compiled module.") from exc
+                f"{_describe(args, kwargs)}: {type(exc).__name__}: {_first_line(exc)}. Data-dependent Python "
+                "control flow and shapes are the usual cause; move that part outside the compiled module"
+                f"{where}.") from exc
         _keep_stop_gradients(program.graph_module)
-        with attention():  # attention is decomposed here, by the kernel choice in force
+        _keep_attention(program.graph_module)
+        try:
             program = program.run_decompositions(_decompositions())
+        except Exception as exc:  # a decomposition of torch's own failed on this graph
+            op, path = _failing_decomposition(program)
+            raise CaptureError(
+                f"torch -> XLA: torch's decomposition of {op} (in {path}) to core ATen failed: "
+                f"{type(exc).__name__}: {_first_line(exc)}. Write that part with other torch ops, or keep it "
+                f"outside the compiled module{where}.") from exc
     graph = program.graph_module.graph
     _check_ops(graph)
-    captured = _plumbing(program)
+    template = flat.template()
+    assert template is not None, "the traced forward did not run"
+    captured = _plumbing(program, template)
     captured.seconds = time.perf_counter() - start
     return captured
 
 
-def _portable_attention(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """A context factory for capturing `module`: on a GPU, torch.nn.attention.sdpa_kernel(MATH).
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
-    On a GPU, scaled_dot_product_attention traces to a fused CUDA kernel (efficient / flash /
-    cuDNN attention) that has no decomposition; its math form decomposes to ops XLA lowers (and
-    XLA fuses them itself). CPU graphs keep torch's own CPU decomposition."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    tensors.append(next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)))
-    if all(t.device.type == "cpu" for t in tensors):
-        return contextlib.nullcontext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return lambda: sdpa_kernel([SDPBackend.MATH])
+
+def _failing_decomposition(program: torch.export.ExportedProgram) -> tuple[str, str]:
+    """The op whose decomposition fails, found by decomposing one op kind at a time (error path only)."""
+    table = _decompositions()
+    seen: dict[Any, torch.fx.Node] = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in table:
+            seen.setdefault(node.target, node)
+    for op, node in seen.items():
+        try:
+            program.run_decompositions({op: table[op]})
+        except Exception:
+            return str(op), module_path(node)
+    return "an op", "the forward"
 
 
 def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:
@@ -130,14 +169,40 @@ def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _keep_attention(gm: torch.fx.GraphModule) -> None:
+    """Rewrites `scaled_dot_product_attention` to tpudist::attention, which decomposition keeps."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            schema = node.target._schema.arguments
+            values = {a.name: a.default_value if a.has_default_value() else None for a in schema}
+            values.update(zip((a.name for a in schema), node.args))
+            values.update(node.kwargs)
+            node.target = ATTENTION
+            node.args = (values["query"], values["key"], values["value"], values["attn_mask"],
+                         float(values["dropout_p"] or 0.0), bool(values["is_causal"]), values["scale"],
+                         bool(values["enable_gqa"]))
+            node.kwargs = {}
+    gm.recompile()
+
+
 def module_path(node: torch.fx.Node) -> str:
     """Where a node comes from, e.g. "module 'encoder.0.attn' (MultiheadAttention)"."""
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = [(path, kind) for path, kind in (node.meta.get("nn_module_stack") or {}).values()
+             if _user_path(path) is not None]
     if not stack:
         return "the top-level forward"
-    path, kind = list(stack.values())[-1]
+    path, kind = stack[-1]
+    path = _user_path(path)
     kind = kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
     return f"module '{path}' ({kind})" if path else f"the top-level forward ({kind})"
+
+
+def _user_path(path: str) -> str | None:
+    """A module path under the traced wrapper (FlatOutputs) as the user's module names it; None for
+    the wrapper itself."""
+    if path == FlatOutputs.PREFIX[:-1]:
+        return ""
+    return path[len(FlatOutputs.PREFIX):] if path.startswith(FlatOutputs.PREFIX) else None
 
 
 def _check_ops(graph: torch.fx.Graph) -> None:
@@ -167,18 +232,20 @@ def _has_symbolic_shape(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
 
 
-def _plumbing(program: torch.export.ExportedProgram) -> Captured:
+def _plumbing(program: torch.export.ExportedProgram, template: Template) -> Captured:
     signature = program.graph_signature
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    mutated = {spec.target for spec in signature.output_specs
+    mutated = {_strip(spec.target) if spec.kind == OutputKind.BUFFER_MUTATION else spec.target
+               for spec in signature.output_specs
                if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)}
     inputs, leaf = [], 0
     for node, spec in zip(placeholders, signature.input_specs):
         used = len(node.users) > 0
         if spec.kind == InputKind.PARAMETER:
-            inputs.append(InputSlot("param", spec.target, used=used))
+            inputs.append(InputSlot("param", _strip(spec.target), used=used))
         elif spec.kind == InputKind.BUFFER:
-            inputs.append(InputSlot("buffer", spec.target, used=used, mutated=spec.target in mutated))
+            name = _strip(spec.target)
+            inputs.append(InputSlot("buffer", name, used=used, mutated=name in mutated))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             inputs.append(InputSlot("constant", spec.target, used=used))
         elif spec.kind == InputKind.USER_INPUT:
@@ -199,7 +266,7 @@ def _plumbing(program: torch.export.ExportedProgram) -> Captured:
         if spec.kind == OutputKind.USER_OUTPUT:
             outputs.append(OutputSlot("user", None, dtype))
         elif spec.kind == OutputKind.BUFFER_MUTATION:
-            outputs.append(OutputSlot("buffer", spec.target, dtype))
+            outputs.append(OutputSlot("buffer", _strip(spec.target), dtype))
         elif spec.kind == OutputKind.USER_INPUT_MUTATION:
             outputs.append(OutputSlot("input", input_leaf[spec.target], dtype))
         else:
@@ -208,11 +275,16 @@ def _plumbing(program: torch.export.ExportedProgram) -> Captured:
     counts: dict[str, int] = {}
     for n in ops:
         counts[str(n.target)] = counts.get(str(n.target), 0) + 1
-    has_random = any(getattr(lookup(n.target), "random", False) for n in ops if n.target is not operator.getitem)
+    has_random = any(is_random(n) for n in ops if n.target is not operator.getitem)
     collective = any(n.target in COLLECTIVE_OPS for n in ops)
-    return Captured(graph=program.graph, inputs=inputs, outputs=outputs, out_spec=program.call_spec.out_spec,
+    return Captured(graph=program.graph, inputs=inputs, outputs=outputs, template=template,
                     constants=dict(program.constants), has_random=has_random, collective=collective,
                     op_counts=counts)
+
+
+def _strip(name: str) -> str:
+    """A parameter or buffer name under the traced wrapper as the user's module names it."""
+    return name[len(FlatOutputs.PREFIX):] if name.startswith(FlatOutputs.PREFIX) else name
 
 
 def _describe(args: tuple, kwargs: dict) -> str:

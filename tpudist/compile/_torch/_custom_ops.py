@@ -44,3 +44,24 @@ SHARDED_EMBEDDING_LOOKUP = torch.ops.tpudist.sharded_embedding_lookup.default
 
 # ops that reach other processes: a graph holding one runs as one program over the processes
 COLLECTIVE_OPS = frozenset({SHARDED_EMBEDDING_LOOKUP})
+
+
+@torch.library.custom_op("tpudist::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+              dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` as one graph node that decomposition leaves whole (lowered
+    to one XLA attention op). Only captured, never run by torch."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa).clone()
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    # torch's own kernel choice gives the output's strides, which the traced graph's later views
+    # (transpose, then view) were recorded against
+    out = torch.ops.aten.scaled_dot_product_attention.default(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+
+
+ATTENTION = torch.ops.tpudist.attention.default

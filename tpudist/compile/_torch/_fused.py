@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -33,13 +34,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch import _optim
-from tpudist.compile._torch._capture import capture
+from tpudist.compile._torch._capture import autocast_state, capture
 from tpudist.collectives._convert import import_buffer
 from tpudist.collectives._engine import assemble
 from tpudist.compile._torch._convert import to_jax, to_torch
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
-from tpudist.compile._torch._program import _resolver, _seed
+from tpudist.compile._torch._program import _resolver
 from tpudist.compile._torch.ops.collective import over_axis
 from tpudist.nn import SHARDED_ATTR
 
@@ -61,15 +62,45 @@ class TrainStepStats:
 
 
 class _Objective(torch.nn.Module):
-    """`loss_fn(model(*batch[:-1]), batch[-1])` as one module, so one export captures both."""
+    """The loss of one batch as one module, so one export captures model and loss together:
+    `loss_fn(model(*batch[:-1]), batch[-1])`, or with no loss_fn the loss the model computes itself
+    (`model(**batch).loss` for a dict batch, as Hugging Face models do when given `labels`)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn  # registered as a submodule when it is one (nn.CrossEntropyLoss())
 
-    def forward(self, *batch: Any) -> torch.Tensor:
-        return self.loss_fn(self.model(*batch[:-1]), batch[-1])
+    def forward(self, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(self.model(*batch[:-1]), batch[-1])
+        return model_loss(call_model(self.model, batch))
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """`model(**batch)` for a mapping, `model(*batch)` for a tuple or list, else `model(batch)`."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model returned: `output.loss` (a Hugging Face `ModelOutput`), `output["loss"]`,
+    the first element of a tuple, or the output itself when it is a tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"loss_fn=None: the model returned {type(output).__name__} with no loss; put the "
+                         "targets in the batch (e.g. {'input_ids': ..., 'labels': ...} for a Hugging Face "
+                         "model) or pass loss_fn=")
+    return loss
 
 
 class _Tracked:
@@ -88,12 +119,16 @@ class _Tracked:
 class TrainStep:
     """`step(batch) -> loss`: see `compile_train_step`."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 optimizer: torch.optim.Optimizer, *, mesh: Any = None, max_grad_norm: float | None = None):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer, *, mesh: Any = None, max_grad_norm: float | None = None,
+                 accumulate_steps: int = 1):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_train_step takes a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (e.g. torch.nn.functional.cross_entropy), got {loss_fn!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (e.g. torch.nn.functional.cross_entropy) or None (the "
+                            f"model returns its loss), got {loss_fn!r}")
+        if not isinstance(accumulate_steps, int) or isinstance(accumulate_steps, bool) or accumulate_steps < 1:
+            raise ValueError(f"accumulate_steps={accumulate_steps!r} must be a positive int")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -101,6 +136,7 @@ class TrainStep:
         self.kind = _optim.kind_of(optimizer)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_grad_norm = max_grad_norm
+        self.accumulate_steps = accumulate_steps
         if mesh is None:
             from tpudist.mesh import make_mesh
             mesh = make_mesh({AXIS: -1})
@@ -115,30 +151,48 @@ class TrainStep:
         self._submodules = list(model.modules())
         self._programs: dict[Any, _FusedProgram] = {}
         self._tracked: dict[tuple[int, str], _Tracked] = {}  # (id(param), "param" | state name)
+        # the random stream of the step's random ops (dropout): a key that stays on the devices and
+        # advances inside each step, seeded from torch's default generator (see rng)
+        self._rng: jax.Array | None = None
+        self._rng_seed: int | None = None
 
     def __repr__(self) -> str:
         return (f"TrainStep({type(self.model).__name__}, {type(self.optimizer).__name__}, "
                 f"devices={self.mesh.devices.size}, signatures={len(self._programs)})")
 
     def __call__(self, batch: Any) -> torch.Tensor:
-        """Runs one step on this process's `batch` (`(*inputs, target)`); returns its loss (the mean
+        """Runs one step on this process's `batch` (`(*inputs, target)`, or with loss_fn=None what the
+        model takes: a dict of keyword arguments, a tuple of positional ones); returns its loss (the mean
         over this process's devices of their slices' losses, a 0-d float32 tensor on the model's device;
         on a GPU the step does not wait for it, so `loss.item()` is where the host waits)."""
         rank = jax.process_index()
-        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        if self.loss_fn is not None and (not isinstance(batch, (tuple, list)) or len(batch) < 2):
             raise TypeError(f"rank {rank}: the fused train step takes a batch (*inputs, target), got "
-                            f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
-        leaves, spec = tree_flatten(tuple(batch))
+                            f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                            + "; with loss_fn=None it takes the model's inputs, targets included")
+        leaves, spec = tree_flatten(batch)
         tensors = [torch.as_tensor(x) if isinstance(x, np.ndarray) else x for x in leaves]
         rows = self._rows(tensors, rank)
         self.stats.calls += 1
         key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(t) for t in tensors),
-               self._optimizer_key())
+               self._optimizer_key(), autocast_state())
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = _FusedProgram(self, spec, tensors, rows // self.local_devices)
+            device_rows = rows // (self.local_devices * self.accumulate_steps)
+            program = self._programs[key] = _FusedProgram(self, spec, tensors, device_rows)
             self.stats.compiles += 1
         return program(tensors)
+
+    def rng(self, make_global: Callable[[np.ndarray], jax.Array]) -> jax.Array:
+        """The random stream's key data on the devices: drawn from torch's default generator the
+        first time, and again whenever `torch.manual_seed` has been called since, so compiled dropout
+        is reproducible under `torch.manual_seed`; in between it advances inside every step."""
+        seed = torch.initial_seed()
+        if self._rng is None or seed != self._rng_seed:
+            words = torch.randint(0, 2**32, (2,), dtype=torch.int64).numpy().astype(np.uint32)
+            self._rng = make_global(words)
+            self._rng_seed = seed
+        return self._rng
 
     def _rows(self, tensors: list[Any], rank: int) -> int:
         shaped = [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -150,10 +204,13 @@ class TrainStep:
             raise ValueError(f"rank {rank}: the batch's tensors have different leading sizes {sorted(rows)}; "
                              "they must all be this process's examples")
         (n,) = rows
-        if n == 0 or n % self.local_devices:
+        parts = self.local_devices * self.accumulate_steps
+        if n == 0 or n % parts:
+            split = (f"{self.local_devices} devices" + (f" x {self.accumulate_steps} micro-batches"
+                                                        if self.accumulate_steps > 1 else ""))
             raise ValueError(f"rank {rank}: a batch of {n} examples cannot be split evenly over this process's "
-                             f"{self.local_devices} devices; use a per-process batch size that is a multiple of "
-                             f"{self.local_devices} (e.g. DataLoader(drop_last=True))")
+                             f"{split}; use a per-process batch size that is a multiple of {parts} "
+                             "(e.g. DataLoader(drop_last=True))")
         return n
 
     def _optimizer_key(self) -> tuple:
@@ -168,8 +225,8 @@ class _FusedProgram:
         from tpudist.compile._jax_step import compile_jax
         self.owner = owner
         example = [t[:device_rows] if isinstance(t, torch.Tensor) else t for t in tensors]
-        args = torch.utils._pytree.tree_unflatten(example, spec)
-        captured = capture(owner._objective, tuple(args), {})
+        batch = torch.utils._pytree.tree_unflatten(example, spec)
+        captured = capture(owner._objective, (batch,), {})
         owner.stats.capture_seconds += captured.seconds
         self.captured = captured
         losses = [i for i, o in enumerate(captured.outputs) if o.kind == "user"]
@@ -192,7 +249,7 @@ class _FusedProgram:
         self.trainable: list[tuple[Callable[[], torch.Tensor], _optim.ParamConfig, int]] = []
         self.others: list[Callable[[], torch.Tensor]] = []
         self.batch_leaves: list[int] = []
-        getters = {}
+        getters, other_position = {}, {}
         for slot in captured.inputs:
             if slot.kind == "literal":
                 continue
@@ -212,6 +269,7 @@ class _FusedProgram:
                 self.slots.append(("param", len(self.trainable)))
                 self.trainable.append((get, cfg, group_index))
             else:
+                other_position[slot.name] = len(self.others)
                 self.slots.append(("other", len(self.others)))
                 self.others.append(get)
         self.sharded = [bool(getattr(get(), SHARDED_ATTR, False)) for get, _, _ in self.trainable]
@@ -225,13 +283,15 @@ class _FusedProgram:
         self.configs = tuple(cfg for _, cfg, _ in self.trainable)
         # the buffers the graph updates (BatchNorm statistics), read like its other inputs
         self.buffer_getters = [getters[target] for _, target in self.buffer_outputs]
+        self.buffer_others = [other_position[target] for _, target in self.buffer_outputs]
         self.has_random = captured.has_random
+        self._no_rng: jax.Array | None = None
         run = lower(captured)
         body = self._body(run)
         param_specs = [P(AXIS) if s else P() for s in self.sharded]
         state_specs = [tuple(spec for _ in cfg.state) for spec, cfg in zip(param_specs, self.configs)]
         in_specs = (param_specs, P(), state_specs, P(), P(AXIS), P())
-        out_specs = (param_specs, P(), state_specs, P(AXIS))
+        out_specs = (param_specs, P(), state_specs, P(AXIS), P())
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs,
                                 per_device=True, name=f"train step ({type(owner.model).__name__})")
         self._executable: Any = None
@@ -255,25 +315,55 @@ class _FusedProgram:
     def _body(self, run: Callable[..., Any]) -> Callable[..., Any]:
         slots, configs, sharded = self.slots, self.configs, self.sharded
         loss_position = self.loss_position
-        buffer_positions = [i for i, _ in self.buffer_outputs]
+        buffer_positions, buffer_others = [i for i, _ in self.buffer_outputs], self.buffer_others
         max_norm = self.owner.max_grad_norm
         devices = self.owner.mesh.devices.size
+        micro_batches, random = self.owner.accumulate_steps, self.has_random
 
-        def body(params, others, states, hyper, batch, seed):
-            index = lax.axis_index(AXIS)
-            device_seed = seed + index.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+        def objective(params, others, batch, key):
+            arrays = [params[i] if kind == "param" else others[i] if kind == "other" else batch[i]
+                      for kind, i in slots]
+            outs = run(arrays, key)
+            return outs[loss_position].reshape(()).astype(jnp.float32), [outs[i] for i in buffer_positions]
 
-            def objective(params):
-                arrays = [params[i] if kind == "param" else others[i] if kind == "other" else batch[i]
-                          for kind, i in slots]
-                outs = run(arrays, device_seed)
-                return outs[loss_position].reshape(()).astype(jnp.float32), [outs[i] for i in buffer_positions]
+        gradient = jax.value_and_grad(objective, has_aux=True)
 
+        def accumulate(own, others, batch, key):
+            """Gradients summed over `micro_batches` slices of the batch, run one after another (the
+            updated BatchNorm statistics of one feed the next, as K eager forwards do), then averaged."""
+            micro = [b.reshape((micro_batches, b.shape[0] // micro_batches) + b.shape[1:]) for b in batch]
+            others = list(others)
+            for j in buffer_others:  # replicated inputs; their updates are per device
+                others[j] = lax.pcast(others[j], AXIS, to="varying")
+
+            def one(carry, xs):
+                grads, loss, others = carry
+                i, batch = xs
+                (l, buffers), g = gradient(own, others, batch, jax.random.fold_in(key, i) if random else None)
+                others = list(others)
+                for j, b in zip(buffer_others, buffers):
+                    others[j] = b.astype(others[j].dtype)
+                return ([a + b for a, b in zip(grads, g)], loss + l, others), None
+
+            zeros = [jnp.zeros_like(p) for p in own]  # of `own`: already per device
+            (grads, loss, others), _ = lax.scan(one, (zeros, lax.pcast(jnp.float32(0), AXIS, to="varying"), others),
+                                                (jnp.arange(micro_batches), micro))
+            return (loss / micro_batches, [others[j] for j in buffer_others]), [g / micro_batches for g in grads]
+
+        def body(params, others, states, hyper, batch, rng):
+            if random:  # a fresh key per step, and per device: each device drops out its own units
+                key, next_key = jax.random.split(jax.random.wrap_key_data(rng))
+                key, rng = jax.random.fold_in(key, lax.axis_index(AXIS)), jax.random.key_data(next_key)
+            else:
+                key = None
             # differentiate each device's own loss: marked as varying over the axis, a replicated
             # parameter's gradient is this device's alone (not implicitly summed by the transpose)
             own = [p if s else lax.pcast(p, AXIS, to="varying") for p, s in zip(params, sharded)]
             with over_axis(AXIS, devices):
-                (loss, buffers), grads = jax.value_and_grad(objective, has_aux=True)(own)
+                if micro_batches == 1:
+                    (loss, buffers), grads = gradient(own, others, batch, key)
+                else:
+                    (loss, buffers), grads = accumulate(own, others, batch, key)
             # replicated params: the mean of the devices' gradients (one all-reduce for all of them);
             # sharded rows: their lookup's backward already summed over devices, so divide
             replicated = [i for i, s in enumerate(sharded) if not s]
@@ -292,7 +382,7 @@ class _FusedProgram:
                 new_states.append(s)
             buffers = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
                        for b in buffers]
-            return new_params, buffers, new_states, loss.reshape(1)
+            return new_params, buffers, new_states, loss.reshape(1), rng
         return body
 
     # -- one call ------------------------------------------------------------------------------
@@ -302,17 +392,24 @@ class _FusedProgram:
         params, states, rows, steps = self._train_state()
         others = [self._global(get(), split=False) for get in self.others]
         batch = [self._global(tensors[leaf], split=True) for leaf in self.batch_leaves]
-        seed = self._global(_seed() if self.has_random else np.uint32(0), split=False)
+        if self.has_random:
+            rng = owner.rng(lambda words: self._global(words, split=False))
+        else:
+            if self._no_rng is None:
+                self._no_rng = self._global(np.zeros(2, np.uint32), split=False)
+            rng = self._no_rng
         if rows != self._hyper_rows:  # unchanged between most steps: no transfer then
             self._hyper_rows = rows
             self._hyper = self._global(np.asarray(rows, dtype=np.float32).reshape(len(rows), _optim.FIELDS),
                                        split=False)
         hyper = self._hyper
-        args = (params, others, states, hyper, batch, seed)
+        args = (params, others, states, hyper, batch, rng)
         if self._executable is None:
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
-        new_params, buffers, new_states, losses = self._executable(*args)
+        new_params, buffers, new_states, losses, rng = self._executable(*args)
+        if self.has_random:
+            owner._rng = rng
         self._write_back(new_params, new_states, steps, buffers)
         # a view of the loss where it was computed, as eager torch returns it: reading it on the host
         # is the caller's choice (a GPU step does not wait for it otherwise)

@@ -1,8 +1,9 @@
 """Lowering: a captured core-ATen graph -> one JAX function, by walking it through the registry.
 
 The function takes the graph's tensor inputs (as JAX arrays, in placeholder order, literals left
-out) and a uint32 seed, and returns the graph's outputs. Traced under `jax.jit`, every op becomes
-XLA HLO; nothing of torch remains at run time.
+out) and a JAX PRNG key (None when the graph draws no random numbers), and returns the graph's
+outputs. Traced under `jax.jit`, every op becomes XLA HLO; nothing of torch remains at run time.
+A lowering that fails while tracing is an UnsupportedOpError naming the op and its module path.
 """
 
 from __future__ import annotations
@@ -17,24 +18,25 @@ from jax import lax
 
 from tpudist.compile._torch._capture import Captured, module_path
 from tpudist.compile._torch._convert import jax_dtype
-from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, lookup
+from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
+from tpudist.compile._torch.ops import linalg
 
 # keyword arguments that describe torch placement or layout, meaningless to XLA
 _PLACEMENT_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format", "non_blocking"})
 
 
-def lower(captured: Captured) -> Callable[[Sequence[jax.Array], jax.Array], tuple[Any, ...]]:
-    """The JAX function computing `captured`'s graph: `run(tensor_inputs, seed) -> outputs`."""
+def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
+    """The JAX function computing `captured`'s graph: `run(tensor_inputs, key) -> outputs`; `key` is a
+    JAX PRNG key when `captured.has_random`, else ignored."""
     nodes = list(captured.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
     tensor_placeholders = [n for n in placeholders if n not in literals]
 
-    def run(tensors: Sequence[jax.Array], seed: jax.Array) -> tuple[Any, ...]:
+    def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
         env: dict[torch.fx.Node, Any] = dict(literals)
         env.update(zip(tensor_placeholders, tensors))
-        key = jax.random.key(seed) if captured.has_random else None
         for position, node in enumerate(nodes):
             if node.op != "call_function":
                 continue
@@ -83,38 +85,54 @@ def _transposed_matrix(operand: Any) -> torch.fx.Node | None:
     return source if isinstance(value, torch.Tensor) and value.ndim == 2 else None
 
 
-def _matmul_transposed(a: Any, w: Any) -> Any:
-    return lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
-
-
 def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
     aten = torch.ops.aten
     if node.target is aten.bmm.default:
         weight = _broadcast_matrix(node.args[1])
         if weight is not None:
-            return _conform(jnp.matmul(_read(node.args[0], env), env[weight]), node)
+            return _conform(linalg.product(_read(node.args[0], env), env[weight]), node)
     elif node.target is aten.mm.default or (node.target is aten.addmm.default and not node.kwargs):
         matrix, other = (node.args[1], node.args[0]) if node.target is aten.mm.default else (node.args[2], node.args[1])
         weight = _transposed_matrix(matrix)
         a = _read(other, env)
         if weight is not None and getattr(a, "ndim", 0) == 2:
-            product = _matmul_transposed(a, env[weight])
+            product = linalg.contract_last(a, env[weight])
             if node.target is aten.addmm.default:
-                product = _read(node.args[0], env) + product
+                product = linalg.with_bias(_read(node.args[0], env), product)
             return _conform(product, node)
     lowering = lookup(node.target)
     assert lowering is not None, f"{node.target} passed capture's op check but has no lowering"
     args = [_read(a, env) for a in node.args]
     kwargs = {k: _read(v, env) for k, v in node.kwargs.items() if k not in _PLACEMENT_KWARGS}
-    if lowering.random:
+    if is_random(node):
         args.insert(0, jax.random.fold_in(key, position))
+    if lowering.input_meta:
+        kwargs["meta"] = node.args[0].meta.get("val")
     try:
         result = lowering.fn(*args, **kwargs)
     except UnsupportedOpError as exc:
         raise UnsupportedOpError(f"{exc} (in {module_path(node)})") from None
+    except Exception as exc:  # a lowering meeting arguments it was not written for
+        raise UnsupportedOpError(
+            f"torch -> XLA: lowering {node.target} (in {module_path(node)}) failed for arguments "
+            f"{_describe_args(node)}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. "
+            "Rewrite that part of the model with other torch ops, or keep it outside the compiled module; "
+            "please report it with this message.") from exc
     if isinstance(result, (tuple, list)):
         return result  # multi-output ops are conformed element by element when read (getitem)
     return _conform(result, node)
+
+
+def _describe_args(node: torch.fx.Node) -> str:
+    def one(a: Any) -> str:
+        value = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {value.dtype}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(one(v) for v in value) + "]"
+        return repr(value)
+    parts = [one(a) for a in node.args] + [f"{k}={one(v)}" for k, v in node.kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
 
 
 def _read(value: Any, env: dict) -> Any:

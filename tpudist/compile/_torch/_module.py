@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from tpudist.compile._torch._capture import capture
+from tpudist.compile._torch._capture import autocast_state, capture
 from tpudist.compile._torch._program import Program
 
 
@@ -16,7 +16,7 @@ from tpudist.compile._torch._program import Program
 class TorchCompileStats:
     """Counters of one compiled module.
 
-    compiles: input signatures (shapes, dtypes, non-tensor values, train/eval modes) captured and
+    compiles: input signatures (shapes, dtypes, non-tensor values, train/eval modes, autocast) captured and
         lowered; a steady training loop stays at 1.
     cache_hits: calls served by an already compiled signature.
     calls: all calls.
@@ -63,7 +63,8 @@ class CompiledModule(torch.nn.Module):
         stats = self._stats
         stats.calls += 1
         leaves, spec = tree_flatten((args, kwargs))
-        key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(leaf) for leaf in leaves))
+        key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(leaf) for leaf in leaves),
+               autocast_state())
         program = self._programs.get(key)
         if program is None:
             captured = capture(self.module, args, kwargs)

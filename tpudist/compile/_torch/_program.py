@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from tpudist.compile._torch._autograd import XlaCall, XlaFunction
 from tpudist.compile._torch._capture import Captured
@@ -26,7 +25,10 @@ class Program:
 
     def __init__(self, module: torch.nn.Module, captured: Captured):
         self.captured = captured
-        self._run = lower(captured)
+        run = lower(captured)
+        random = captured.has_random
+        # each call's seed (drawn from torch's generator) becomes the graph's PRNG key in-graph
+        self._run = lambda arrays, seed: run(arrays, jax.random.key(seed) if random else None)
         self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
         self._resolve = [_resolver(module, slot, captured) for slot in self._slots]
         self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
@@ -147,7 +149,7 @@ class Program:
                     leaves[slot.target].copy_(value)
                 else:
                     user.append(value)
-        return tree_unflatten(user, self.captured.out_spec)
+        return self.captured.template.rebuild(user)
 
 
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:

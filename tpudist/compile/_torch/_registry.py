@@ -2,15 +2,17 @@
 
 Every lowering is a plain function taking the ATen op's own arguments (tensors arrive as JAX
 arrays, `torch.dtype`s as NumPy dtypes, `device=` / `layout=` / `pin_memory=` / `memory_format=`
-already removed) and returning what the ATen op returns. Adding an op is one decorated function in
+already removed) and returning what the ATen op returns. A lowering that depends on its input's
+memory layout (`as_strided`) declares `input_meta=True` and receives torch's recorded tensor as `meta=`. Adding an op is one decorated function in
 one of the `ops/` family modules:
 
     @register(aten.tanh.default)
     def tanh(x):
         return jnp.tanh(x)
 
-Random ops declare `random=True` and receive a JAX PRNG key as their first argument; the key is
-derived from a per-call seed, so no lowering ever reaches for global state.
+Random ops declare `random=True` (or a predicate on the node, for ops random only for some
+arguments, e.g. attention with dropout) and receive a JAX PRNG key as their first argument; the key
+is derived from a per-call seed, so no lowering ever reaches for global state.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ class Lowering:
 
     op: Any
     fn: Callable[..., Any]
-    random: bool = False
+    random: bool | Callable[[Any], bool] = False  # or: is this node (torch.fx.Node) random?
+    input_meta: bool = False  # receives `meta=`: the tensor torch recorded for its first argument
 
 
 _REGISTRY: dict[Any, Lowering] = {}
 
 
-def register(*ops: Any, random: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
+             input_meta: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as the lowering of every ATen overload in `ops`.
 
     Example:
@@ -61,9 +65,18 @@ def register(*ops: Any, random: bool = False) -> Callable[[Callable[..., Any]], 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
             assert op not in _REGISTRY, f"{op} is registered twice ({_REGISTRY.get(op)} and {fn})"
-            _REGISTRY[op] = Lowering(op, fn, random)
+            _REGISTRY[op] = Lowering(op, fn, random, input_meta)
         return fn
     return decorate
+
+
+def is_random(node: Any) -> bool:
+    """Whether the graph node draws random numbers (and so takes a PRNG key)."""
+    lowering = lookup(node.target)
+    if lowering is None:
+        return False
+    return lowering.random(node) if callable(lowering.random) else lowering.random
+
 
 
 def lookup(op: Any) -> Lowering | None:

@@ -1,6 +1,7 @@
 """ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
 
 from tpudist.compile._torch.ops import (  # noqa: F401  (imported for their registrations)
+    attention,
     collective,
     conv_pool,
     creation,

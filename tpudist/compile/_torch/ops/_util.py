@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
 
 from tpudist.compile._torch._registry import UnsupportedOpError
 
@@ -26,3 +29,21 @@ def dims(ds: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
 def unsupported_arg(op: str, what: str) -> UnsupportedOpError:
     """The error for an op whose arguments take a value the lowering does not implement."""
     return UnsupportedOpError(f"torch -> XLA: {op} with {what} has no XLA lowering")
+
+
+def in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` computed with its bfloat16 / float16 arguments upcast to float32, as torch's kernels
+    compute norms, softmax and reductions of half tensors ("opmath"); the interpreter casts each
+    result back to the dtype torch recorded, so each op rounds once."""
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return fn(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
+    return wrapped
+
+
+def _up(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_up(v) for v in value)
+    if getattr(value, "dtype", None) in (jnp.bfloat16, jnp.float16) and hasattr(value, "astype"):
+        return value.astype(jnp.float32)
+    return value

@@ -11,6 +11,7 @@ from jax import lax
 
 from tpudist.compile._torch._registry import register
 from tpudist.compile._torch.ops._util import unsupported_arg
+from tpudist.compile._torch.ops.linalg import accumulation, with_bias
 
 aten = __import__("torch").ops.aten
 
@@ -30,7 +31,7 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     dn = lax.conv_dimension_numbers(x.shape, weight.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
     if not transposed:
         out = lax.conv_general_dilated(x, weight, stride, [(p, p) for p in padding], rhs_dilation=dilation,
-                                       dimension_numbers=dn, feature_group_count=groups)
+                                       dimension_numbers=dn, feature_group_count=groups, **accumulation(x, weight))
     else:
         # a transposed conv is the plain conv of the stride-dilated input with the flipped kernel,
         # in/out channels swapped within each group
@@ -42,10 +43,8 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
         pads = [(d * (kk - 1) - p, d * (kk - 1) - p + e) for kk, p, d, e in zip(k, padding, dilation, extra)]
         dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
         out = lax.conv_general_dilated(x, w, (1,) * nd, pads, lhs_dilation=stride, rhs_dilation=dilation,
-                                       dimension_numbers=dn, feature_group_count=groups)
-    if bias is not None:
-        out = out + bias.reshape((1, -1) + (1,) * nd)
-    return out
+                                       dimension_numbers=dn, feature_group_count=groups, **accumulation(x, w))
+    return with_bias(None if bias is None else bias.reshape((1, -1) + (1,) * nd), out)
 
 
 def _window(size, k, s, p, d, ceil_mode):

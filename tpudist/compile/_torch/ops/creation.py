@@ -39,6 +39,12 @@ def ones(size, *, dtype=None):
     return jnp.ones(tuple(size), dtype or jnp.float32)
 
 
+@register(aten.empty_permuted.default)
+def empty_permuted(size, physical_layout, *, dtype=None):
+    # the physical layout is torch's memory order; values are what matters here
+    return jnp.zeros(tuple(size), dtype or jnp.float32)
+
+
 @register(aten.zeros_like.default, aten.empty_like.default)
 def zeros_like(x, *, dtype=None):
     return jnp.zeros(x.shape, dtype or x.dtype)

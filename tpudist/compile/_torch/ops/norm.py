@@ -1,4 +1,5 @@
-"""Normalization: LayerNorm, BatchNorm (training and eval), GroupNorm, InstanceNorm."""
+"""Normalization: LayerNorm, BatchNorm (training and eval), GroupNorm, InstanceNorm; half-precision
+inputs are normalized in float32, as torch's kernels do."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpudist.compile._torch._registry import register
+from tpudist.compile._torch.ops._util import in_float32
 
 aten = __import__("torch").ops.aten
 
@@ -17,6 +19,7 @@ def _moments(x, axes):
 
 
 @register(aten.native_layer_norm.default)
+@in_float32
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     """Returns (output, mean, rstd); mean and rstd keep the normalized dims as size 1."""
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
@@ -50,6 +53,7 @@ def _batch_stats(x, weight, bias, eps):
 
 
 @register(aten._native_batch_norm_legit_functional.default)
+@in_float32
 def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
     """Returns (output, save_mean, save_rstd, new_running_mean, new_running_var)."""
     if not training:
@@ -65,6 +69,7 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
 
 
 @register(aten._native_batch_norm_legit_no_training.default)
+@in_float32
 def batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     """Returns (output, empty, empty): eval mode normalizes with the running statistics."""
     out = (x - _channel(running_mean, x.ndim)) * _channel(lax.rsqrt(running_var + eps), x.ndim)
@@ -73,12 +78,14 @@ def batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
 
 
 @register(aten._native_batch_norm_legit.no_stats)
+@in_float32
 def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
     out, mean, _, rstd = _batch_stats(x, weight, bias, eps)
     return out, mean, rstd
 
 
 @register(aten.native_group_norm.default)
+@in_float32
 def native_group_norm(x, weight, bias, n, c, hw, group, eps):
     """Returns (output, mean, rstd) with mean and rstd of shape (N, group)."""
     grouped = x.reshape((n, group, -1))

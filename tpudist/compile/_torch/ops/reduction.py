@@ -1,4 +1,5 @@
-"""Reductions, scans, softmax, sorting."""
+"""Reductions, scans, softmax, sorting. Sums, means, variances and softmax of half-precision
+tensors accumulate in float32, as torch's kernels do."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpudist.compile._torch._registry import register
-from tpudist.compile._torch.ops._util import dim, dims, unsupported_arg
+from tpudist.compile._torch.ops._util import dim, dims, in_float32, unsupported_arg
 
 aten = __import__("torch").ops.aten
 
 
 @register(aten.sum.dim_IntList, aten.sum.default)
+@in_float32
 def sum_(x, dim=None, keepdim=False, dtype=None):
     return jnp.sum(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
 
 
 @register(aten.mean.dim, aten.mean.default)
+@in_float32
 def mean(x, dim=None, keepdim=False, dtype=None):
     return jnp.mean(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
 
@@ -95,11 +98,13 @@ def _var(x, dim, correction, keepdim):
 
 
 @register(aten.var.correction)
+@in_float32
 def var(x, dim=None, *, correction=None, keepdim=False):
     return _var(x, dim, correction, keepdim)[0]
 
 
 @register(aten.var_mean.correction)
+@in_float32
 def var_mean(x, dim=None, *, correction=None, keepdim=False):
     v, axes = _var(x, dim, correction, keepdim)
     return v, jnp.mean(x, axis=axes, keepdims=keepdim)
@@ -114,6 +119,7 @@ _logic((aten.all.default, aten.all.dim, aten.all.dims), jnp.all)
 
 
 @register(aten.cumsum.default)
+@in_float32
 def cumsum(x, dim, dtype=None):
     return jnp.cumsum(x, axis=dim, dtype=dtype)
 
@@ -124,21 +130,25 @@ def cumprod(x, dim, dtype=None):
 
 
 @register(aten.logsumexp.default)
+@in_float32
 def logsumexp(x, dim, keepdim=False):
     return jax.nn.logsumexp(x, axis=dims(dim, x.ndim), keepdims=keepdim)
 
 
 @register(aten._softmax.default)
+@in_float32
 def softmax(x, dim, half_to_float=False):
     return jax.nn.softmax(x, axis=dim)
 
 
 @register(aten._log_softmax.default)
+@in_float32
 def log_softmax(x, dim, half_to_float=False):
     return jax.nn.log_softmax(x, axis=dim)
 
 
 @register(aten.linalg_vector_norm.default)
+@in_float32
 def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     axes = dims(dim, x.ndim)
     a = jnp.abs(x)

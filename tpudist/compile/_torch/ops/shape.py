@@ -1,7 +1,11 @@
 """Views and layout: view / reshape / permute / expand / squeeze / cat / split / slice / pad.
 
 With static shapes every view is a value-level reshape or slice; strides and storage sharing do
-not exist on the JAX side (the captured graph is functional), so `as_strided` is not lowered.
+not exist on the JAX side (the captured graph is functional). `as_strided`, which torch's own
+decompositions emit (mean over a channels-last tensor, unfold), is lowered from the strides torch
+recorded for its input: the input's values are laid out in its storage order, and the view's
+elements read back from there (a reshape when they are in order, else one gather of static
+indices).
 """
 
 from __future__ import annotations
@@ -9,9 +13,10 @@ from __future__ import annotations
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from tpudist.compile._torch._registry import register
+from tpudist.compile._torch._registry import UnsupportedOpError, register
 from tpudist.compile._torch.ops._util import dim
 
 aten = __import__("torch").ops.aten
@@ -143,3 +148,59 @@ def tril(x, diagonal=0):
 @register(aten.triu.default)
 def triu(x, diagonal=0):
     return jnp.triu(x, diagonal)
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    d = dim % x.ndim
+    lo, hi, st = slice(start, end, step).indices(x.shape[d])
+    index = [slice(None)] * x.ndim
+    index[d] = slice(lo, hi, st)
+    return x.at[tuple(index)].set(src.astype(x.dtype))
+
+
+@register(aten.select_scatter.default)
+def select_scatter(x, src, dim_, index):
+    d = dim(dim_, x.ndim)
+    where = [slice(None)] * x.ndim
+    where[d] = index % x.shape[d]
+    return x.at[tuple(where)].set(src.astype(x.dtype))
+
+
+@register(aten.as_strided.default, aten.as_strided_copy.default, input_meta=True)
+def as_strided(x, size, stride, storage_offset=None, *, meta):
+    """`x.as_strided(size, stride, storage_offset)`, read through the layout torch recorded for x
+    (`meta`: its strides and storage offset)."""
+    x_meta, offset = meta, storage_offset
+    size, stride = tuple(size), tuple(stride)
+    offset = x_meta.storage_offset() if offset is None else offset
+    # storage position of every element of x, and which flat element of x sits at each position
+    positions = x_meta.storage_offset() + sum(
+        (np.arange(n).reshape((-1,) + (1,) * (x.ndim - 1 - i)) * s for i, (n, s) in enumerate(zip(x.shape, x_meta.stride()))),
+        np.zeros((), np.int64))
+    positions = np.broadcast_to(positions, x.shape).reshape(-1)
+    element = np.full(int(positions.max(initial=0)) + 1 if positions.size else 0, -1, np.int64)
+    element[positions] = np.arange(positions.size)
+    wanted = offset + sum((np.arange(n).reshape((-1,) + (1,) * (len(size) - 1 - i)) * s
+                           for i, (n, s) in enumerate(zip(size, stride))), np.zeros((), np.int64))
+    wanted = np.broadcast_to(wanted, size).reshape(-1)
+    if wanted.size and (wanted.max() >= element.size or (element[wanted] < 0).any()):
+        raise UnsupportedOpError(
+            f"torch -> XLA: aten.as_strided reads storage outside its input (input {tuple(x.shape)} with strides "
+            f"{tuple(x_meta.stride())}, view {size} strides {stride} offset {offset}); write the view with "
+            "reshape / slicing instead")
+    flat = element[wanted] if wanted.size else np.zeros(0, np.int64)
+    if np.array_equal(flat, np.arange(flat.size)) and flat.size == int(np.prod(x.shape)):
+        return jnp.reshape(x, size)
+    return jnp.take(jnp.reshape(x, (-1,)), jnp.asarray(flat, jnp.int32)).reshape(size)
+
+
+@register(aten.unfold.default)
+def unfold(x, dimension, size, step):
+    """Windows of `size` every `step` along `dimension`, as a new last dim (Tensor.unfold)."""
+    if x.ndim == 0:
+        return jnp.reshape(x, (1,))
+    d = dim(dimension, x.ndim)
+    count = (x.shape[d] - size) // step + 1
+    index = np.arange(count)[:, None] * step + np.arange(size)[None, :]
+    return jnp.moveaxis(jnp.take(x, jnp.asarray(index, jnp.int32), axis=d), d + 1, -1)
