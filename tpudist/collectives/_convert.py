@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpudist._jaxcompat import import_buffer  # tpudist.compile imports it from here
+
 # Python scalar type -> the numpy dtype it travels as (the result converts back to the Python type).
 _SCALARS = {bool: np.bool_, int: np.int64, float: np.float64}
 
@@ -77,23 +79,6 @@ def _checked(dtype: np.dtype, x: Any) -> np.dtype:
         raise TypeError(f"dtype {got} of a {type(x).__name__} is not supported by tpudist "
                         f"collectives; use one of: {names}")
     return dtype
-
-
-_DL_CPU = 1  # DLPack's kDLCPU
-
-
-def import_buffer(buffer: Any, device: Any) -> jax.Array | None:
-    """Wraps a CPU buffer (torch tensor, numpy array) as an XLA buffer on `device`, without a copy.
-
-    jax.dlpack.from_dlpack does the same but then dispatches a dtype canonicalization that costs
-    ~10x the import itself; this calls the import directly and returns None where that is not
-    possible (another jaxlib, an unaligned buffer), so the caller falls back to a copy.
-    """
-    try:
-        from jax._src.lib import _jax
-        return _jax.dlpack_managed_tensor_to_buffer(buffer.__dlpack__(), device, None, None, _DL_CPU)
-    except Exception:  # noqa: BLE001 - any failure means: take the portable path
-        return None
 
 
 def to_block(x: Any, leaf: Leaf, device: Any) -> jax.Array:

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _runtime, contract
+from tpudist._jaxcompat import assemble  # tpudist.compile imports it from here
 from tpudist.collectives import _convert
 
 log = logging.getLogger("tpudist.collectives")
@@ -364,23 +365,6 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np
 def _global_array(sharding: NamedSharding, groups: tuple[tuple[int, ...], ...], block: jax.Array) -> jax.Array:
     """The (groups, slots, *shape) global array of which `block` is this process's only shard."""
     return assemble((len(groups), len(groups[0])) + block.shape[2:], sharding, [block])
-
-
-def assemble(shape: tuple[int, ...], sharding: NamedSharding, shards: list[jax.Array]) -> jax.Array:
-    """The global array of `shape` laid out by `sharding` whose addressable shards are `shards`
-    (one per local device, in the sharding's device order).
-
-    Built directly (a few microseconds) rather than through
-    jax.make_array_from_single_device_arrays (~50 us of checks that hold by construction for
-    tpudist's callers); the public call remains the fallback.
-    """
-    try:
-        from jax._src import array as jax_array
-        from jax._src import core
-        return jax_array.ArrayImpl(core.ShapedArray(shape, shards[0].dtype), sharding, shards,
-                                   committed=True, _skip_checks=True)
-    except Exception:  # noqa: BLE001 - private API moved: take the public path
-        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def _show(value: Any) -> str:
