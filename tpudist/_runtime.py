@@ -130,8 +130,6 @@ def shutdown() -> None:
     with _lock:
         if _joined_distributed:
             import jax
-            from tpudist.collectives import _engine
-            _engine.reset()
             jax.distributed.shutdown()
             _joined_distributed = False
         _job = None

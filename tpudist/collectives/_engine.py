@@ -6,6 +6,10 @@ over the "slot" axis runs inside each group and every process gets its own group
 signature (collective, parameters, groups, shapes, dtypes) is checked with the peers
 (`_peers.Peers`) and compiled the first time a process meets it, and then kept as one record
 (`_Signature`): its executable, its inputs' sharding and its staging buffers.
+
+One engine serves one job: `engine()` builds a new one when the process has joined another job
+(`tpudist.shutdown()` then `tpudist.init()`), since the old one's executables, devices and
+key-value store belong to the job that ended.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def normalize_groups(groups: Sequence[Sequence[int]] | None, n: int) -> tuple[tu
 
 
 class Engine:
-    """Compiles, checks and runs collectives for this process. One per job (see `engine()`)."""
+    """Compiles, checks and runs collectives for this process in one job (see `engine()`)."""
 
     def __init__(self, job: contract.JobEnv) -> None:
         self.job = job
@@ -291,19 +295,17 @@ _engine_lock = threading.Lock()
 
 
 def engine() -> Engine:
-    """This process's engine, created on first use (joining the job if needed)."""
+    """This process's engine for its current job, built on first use (joining the job if needed)
+    and again after the process has left that job and joined another."""
     global _engine
-    if _engine is None:
+    job = _runtime.job()
+    found = _engine
+    if found is None or found.job is not job:
         with _engine_lock:
-            if _engine is None:
-                _engine = Engine(_runtime.job())
-    return _engine
-
-
-def reset() -> None:
-    """Drops the engine (at shutdown): its executables belong to the runtime being closed."""
-    global _engine
-    _engine = None
+            if _engine is None or _engine.job is not job:
+                _engine = Engine(job)
+            found = _engine
+    return found
 
 
 def collective_stats() -> CollectiveStats:
