@@ -40,6 +40,8 @@ _EXPORTS = {
     "barrier": "tpudist.collectives",
     "CollectiveError": "tpudist.collectives",
     "CollectiveTimeout": "tpudist.collectives",
+    "collective_stats": "tpudist.collectives",
+    "CollectiveStats": "tpudist.collectives",
     # compiled steps
     "compile_stats": "tpudist.compile",
     "CompileStats": "tpudist.compile",

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from tpudist import contract
+from tpudist import _jaxcompat, contract
 
 log = logging.getLogger("tpudist")
 
@@ -31,11 +31,6 @@ def _set_xla_flag(flag: str, value: object) -> None:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag + "=")]
     flags.append(f"{flag}={value}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
-
-
-def _backend_started() -> bool:
-    from jax._src import xla_bridge
-    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def cache_dir(environ: Any = os.environ) -> str | None:
@@ -78,7 +73,7 @@ def init(environ: Any = None) -> contract.JobEnv:
             return _job
         job = contract.JobEnv.from_environ(os.environ if environ is None else environ)
         if job.cpu_devices is not None:
-            if _backend_started():
+            if _jaxcompat.backend_started():
                 import jax
                 have = len(jax.local_devices(backend="cpu"))
                 if have != job.cpu_devices:
@@ -135,8 +130,6 @@ def shutdown() -> None:
     with _lock:
         if _joined_distributed:
             import jax
-            from tpudist.collectives import _engine
-            _engine.reset()
             jax.distributed.shutdown()
             _joined_distributed = False
         _job = None
@@ -181,5 +174,4 @@ def kv_client() -> Any:
     job()
     if not _joined_distributed:
         return None
-    from jax._src import distributed
-    return distributed.global_state.client
+    return _jaxcompat.distributed_client()

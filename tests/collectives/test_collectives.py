@@ -151,12 +151,23 @@ def scenario() -> dict:
                tpudist.all_reduce(np.full(5, rank, np.int32), groups=singles),
                tpudist.all_reduce(np.full(5, rank * 7, np.int32), groups=singles)]
     out["medium"] = {"results": [to_numpy(r) for r in results], "input": to_numpy(medium)}
-    from tpudist.collectives._engine import engine
-    out["staged"]["signatures"] = sum(1 for staging in engine()._stagings.values() if staging)
-    # Repeats of a small call (same kind, dtype, shape, parameters, groups) take the repeat path;
-    # changing any of them takes the full path again.
+    # A repeated call compiles nothing new, whatever the input's kind, below and past the staging
+    # limit; a call differing in op, groups, dtype or shape compiles its own executable. The shapes
+    # (3, 7), (2, 7) and (20000,) appear nowhere else in this scenario.
+    x = np.full((3, 7), rank, np.float32)
+    counts = [tpudist.collective_stats()]
+    same = [tpudist.all_reduce(x * k) for k in (1, 2, 3)] + [tpudist.all_reduce(torch.from_numpy(x * 4))]
+    counts.append(tpudist.collective_stats())
+    changed = [tpudist.all_reduce(x, op="max"), tpudist.all_reduce(x, groups=GROUPINGS["pairs"]),
+               tpudist.all_reduce(x.astype(np.float64)), tpudist.all_reduce(x[:2])]
+    counts.append(tpudist.collective_stats())
+    past_staging = [tpudist.all_reduce(np.full(20000, rank * k, np.float32)) for k in (1, 2)]
+    counts.append(tpudist.collective_stats())
+    out["compiles"] = {"same": [to_numpy(r) for r in same], "changed": [to_numpy(r) for r in changed],
+                       "past_staging": past_staging, "counts": counts}
+    # Repeats of a small call (same kind, dtype, shape, parameters, groups) give the full path's
+    # results; changing any of them is never served by another call's repeat.
     grad = torch.full((2,), float(rank), requires_grad=True)
-    paths = len(engine().quick)
     out["repeat"] = {
         "numpy": [tpudist.all_reduce(np.full(4, rank * k, np.int32), op="max") for k in (1, 2, 3)],
         "scalar": [tpudist.all_reduce(float(rank) * k) for k in (1, 2, 3)],
@@ -165,7 +176,8 @@ def scenario() -> dict:
                    for k, g in enumerate(("pairs", "all", "pairs", "strided"))],
         "op": [to_numpy(tpudist.all_reduce(torch.ones(2) * (rank + 1), op=op)) for op in ("sum", "prod", "sum")],
         "gather": [to_numpy(tpudist.all_gather(torch.tensor([rank * k]))) for k in (1, 2)],
-        "new_paths": len(engine().quick) - paths,
+        "kinds": [to_numpy(tpudist.all_reduce(v)) for v in (np.float32(rank), np.array(rank, np.float32),
+                                                           torch.tensor(float(rank)), np.float32(rank + 1))],
     }
     try:  # same dtype and shape as a value with a repeat path, but sparse: still refused
         tpudist.all_reduce(torch.ones(2).to_sparse())
@@ -325,7 +337,6 @@ def test_small_values_through_reused_staging_buffers(results):
         np.testing.assert_array_equal(staged["strided"], strided_total)
         for k, got in zip((1, 2), staged["bf16_twice"]):  # bfloat16 takes the unstaged path
             np.testing.assert_array_equal(got.astype(np.float32), np.full(3, sum(r + k for r in range(N)), np.float32))
-        assert staged["signatures"] > 0
 
 
 def test_staged_results_are_the_callers_own(results):
@@ -359,10 +370,30 @@ def test_repeated_small_calls(results):
             np.testing.assert_array_equal(got, np.full(2, want, np.float32))
         for k, got in zip((1, 2), rep["gather"]):
             np.testing.assert_array_equal(got, np.arange(N) * k)
-        # int32 max, float scalar, float32 sum (grad, groups "all", op "sum"), pairs, strided,
-        # prod, gather: one repeat path each
-        assert rep["new_paths"] == 7
+        # the same float32 () signature through a numpy scalar, a 0-d array and a tensor
+        for k, got in zip((0, 0, 0, 1), rep["kinds"]):
+            np.testing.assert_array_equal(got, np.float32(sum(range(N)) + N * k))
         assert "dense" in rep["sparse"]
+
+
+def test_repeated_calls_do_not_recompile(results):
+    x = np.full((3, 7), 1, np.float32) * sum(range(N))
+    pairs = {rank: sum(group_of(rank, "pairs")) for rank in range(N)}
+    for rank in range(N):
+        got = results[rank]["compiles"]
+        for k, res in zip((1, 2, 3, 4), got["same"]):
+            np.testing.assert_array_equal(res, x * k)
+        for res, want in zip(got["changed"], (np.full((3, 7), N - 1, np.float32), np.full((3, 7), pairs[rank], np.float32),
+                                              x.astype(np.float64), x[:2])):
+            assert res.dtype == want.dtype
+            np.testing.assert_array_equal(res, want)
+        for k, res in zip((1, 2), got["past_staging"]):
+            np.testing.assert_array_equal(res, np.full(20000, sum(range(N)) * k, np.float32))
+        first, repeated, changed, past = got["counts"]
+        assert (repeated.compiles - first.compiles, repeated.calls - first.calls) == (1, 4)
+        assert (changed.compiles - repeated.compiles, changed.calls - repeated.calls) == (4, 4)
+        assert (past.compiles - changed.compiles, past.calls - changed.calls) == (1, 2)
+        assert past.compile_seconds > first.compile_seconds
 
 
 def test_exchange_choice(results):

@@ -51,6 +51,37 @@ def test_single_process_job_with_nothing_set():
     assert out.stdout.strip() == "ok"
 
 
+_REJOIN = """
+import numpy as np, tpudist
+x = np.arange(6, dtype=np.float32).reshape(2, 3)
+first = tpudist.init({"TPUDIST_JOB_ID": "first"})
+np.testing.assert_array_equal(tpudist.all_reduce(x, scale=0.5), x * 0.5)
+np.testing.assert_array_equal(tpudist.all_gather(x), x)
+stats = tpudist.collective_stats()
+assert (stats.compiles, stats.calls) == (2, 2), stats
+tpudist.shutdown()
+assert not tpudist.is_initialized()
+second = tpudist.init({"TPUDIST_JOB_ID": "second", "TPUDIST_COLLECTIVE_TIMEOUT": "7"})
+assert second is not first and second.job_id == "second"
+# A fresh engine for the new job: it compiles again and counts from zero.
+np.testing.assert_array_equal(tpudist.all_reduce(x * 3, scale=0.5), x * 1.5)
+y, two = tpudist.all_reduce([x, 2], op="max")
+np.testing.assert_array_equal(y, x)
+assert two == 2 and type(two) is int
+stats = tpudist.collective_stats()
+assert (stats.compiles, stats.calls) == (2, 2), stats
+tpudist.barrier()
+print("ok")
+"""
+
+
+def test_shutdown_then_init_runs_collectives_on_a_fresh_engine():
+    env = {k: v for k, v in os.environ.items() if k not in contract.ALL}
+    out = subprocess.run([sys.executable, "-c", _REJOIN], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def torch_alongside() -> tuple[float, float]:
     import torch.distributed as dist
     assert os.environ["MASTER_PORT"] != os.environ["TPUDIST_COORDINATOR"].rsplit(":", 1)[1]

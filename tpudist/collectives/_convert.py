@@ -8,12 +8,15 @@ once so that the caller gets an ordinary writable array.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any
 
 import jax
 import numpy as np
+
+from tpudist._jaxcompat import import_buffer  # tpudist.compile imports it from here
 
 # Python scalar type -> the numpy dtype it travels as (the result converts back to the Python type).
 _SCALARS = {bool: np.bool_, int: np.int64, float: np.float64}
@@ -48,52 +51,50 @@ def torch_module() -> Any:
     return sys.modules.get("torch")
 
 
-def describe(x: Any) -> Leaf:
-    """Classifies one leaf; TypeError for what the collectives do not take."""
+def fingerprint(x: Any) -> tuple[Any, ...]:
+    """Everything `describe` reads of a leaf, cheap and hashable: (kind, type, dtype, shape,
+    layout). `describe(x)` is computed from it alone, so a cache keyed by it (the collectives'
+    repeat path) cannot serve a value that `describe` would classify differently."""
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.is_sparse or x.is_complex():
-            raise TypeError(f"tpudist collectives take dense real tensors, got {x.layout} {x.dtype}")
-        dtype = _TORCH_DTYPES.get(str(x.dtype).removeprefix("torch."))
-        if dtype is None:
-            _checked(np.dtype(object), x)
-        return Leaf("torch", tuple(x.shape), _checked(np.dtype(dtype), x), torch_dtype=x.dtype)
+        return "torch", type(x), x.dtype, x.shape, x.layout
     if isinstance(x, jax.Array):
-        return Leaf("jax", tuple(x.shape), _checked(np.dtype(x.dtype), x))
+        return "jax", type(x), x.dtype, x.shape, None
     if isinstance(x, np.ndarray):
-        return Leaf("numpy", x.shape, _checked(x.dtype, x))
+        return "numpy", type(x), x.dtype, x.shape, None
     if isinstance(x, np.generic):
-        return Leaf("numpy_scalar", (), _checked(x.dtype, x))
-    if type(x) in _SCALARS:
-        return Leaf("scalar", (), np.dtype(_SCALARS[type(x)]), py_type=type(x))
+        return "numpy_scalar", type(x), x.dtype, (), None
+    return "scalar", type(x), None, (), None
+
+
+def describe(x: Any) -> Leaf:
+    """Classifies one leaf; TypeError for what the collectives do not take."""
+    return _describe(*fingerprint(x))
+
+
+@functools.lru_cache(maxsize=1024)
+def _describe(kind: str, cls: type, dtype: Any, shape: tuple[int, ...], layout: Any) -> Leaf:
+    if kind == "torch":
+        torch = torch_module()
+        if layout == torch.sparse_coo or dtype.is_complex:
+            raise TypeError(f"tpudist collectives take dense real tensors, got {layout} {dtype}")
+        known = _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
+        return Leaf("torch", tuple(shape), _checked(np.dtype(object if known is None else known), dtype, cls),
+                    torch_dtype=dtype)
+    if kind != "scalar":
+        return Leaf(kind, shape, _checked(np.dtype(dtype), dtype, cls))
+    if cls in _SCALARS:
+        return Leaf("scalar", (), np.dtype(_SCALARS[cls]), py_type=cls)
     raise TypeError(f"tpudist collectives take torch tensors, numpy arrays, jax arrays, Python "
-                    f"scalars, or lists/tuples/dicts of them; got {type(x).__name__}")
+                    f"scalars, or lists/tuples/dicts of them; got {cls.__name__}")
 
 
-def _checked(dtype: np.dtype, x: Any) -> np.dtype:
+def _checked(dtype: np.dtype, got: Any, cls: type) -> np.dtype:
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
-        got = getattr(x, "dtype", dtype)
-        raise TypeError(f"dtype {got} of a {type(x).__name__} is not supported by tpudist "
+        raise TypeError(f"dtype {got} of a {cls.__name__} is not supported by tpudist "
                         f"collectives; use one of: {names}")
     return dtype
-
-
-_DL_CPU = 1  # DLPack's kDLCPU
-
-
-def import_buffer(buffer: Any, device: Any) -> jax.Array | None:
-    """Wraps a CPU buffer (torch tensor, numpy array) as an XLA buffer on `device`, without a copy.
-
-    jax.dlpack.from_dlpack does the same but then dispatches a dtype canonicalization that costs
-    ~10x the import itself; this calls the import directly and returns None where that is not
-    possible (another jaxlib, an unaligned buffer), so the caller falls back to a copy.
-    """
-    try:
-        from jax._src.lib import _jax
-        return _jax.dlpack_managed_tensor_to_buffer(buffer.__dlpack__(), device, None, None, _DL_CPU)
-    except Exception:  # noqa: BLE001 - any failure means: take the portable path
-        return None
 
 
 def to_block(x: Any, leaf: Leaf, device: Any) -> jax.Array:

@@ -2,21 +2,19 @@
 
 Every process contributes one block (its value) on its first local device. The participating
 devices form a (group, slot) mesh: row g holds the processes of replica group g, so a collective
-over the "slot" axis runs inside each group and every process gets its own group's result. One
-executable is compiled per signature (collective, parameters, groups, shapes, dtypes) and cached.
+over the "slot" axis runs inside each group and every process gets its own group's result. Each
+signature (collective, parameters, groups, shapes, dtypes) is checked with the peers
+(`_peers.Peers`) and compiled the first time a process meets it, and then kept as one record
+(`_Signature`): its executable, its inputs' sharding and its staging buffers.
 
-Mismatches and missing peers become errors rather than hangs:
-- the first time a process sees a signature, it publishes it in the coordinator's key-value store
-  and compares it with every peer's at the same position in the sequence of collectives;
-- XLA's gloo collectives time out after TPUDIST_COLLECTIVE_TIMEOUT seconds (init() passes it as
-  --xla_cpu_collective_timeout_seconds); a process that timed out records its arrival in the
-  key-value store and reads its peers', so the message names the ranks that never came.
+One engine serves one job: `engine()` builds a new one when the process has joined another job
+(`tpudist.shutdown()` then `tpudist.init()`), since the old one's executables, devices and
+key-value store belong to the job that ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import socket
@@ -30,22 +28,28 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _runtime, contract
-from tpudist.collectives import _convert
+from tpudist._jaxcompat import assemble, import_buffer  # tpudist.compile imports `assemble` from here
+from tpudist.collectives._peers import CollectiveError, CollectiveTimeout, Peers
 
 log = logging.getLogger("tpudist.collectives")
 
 SLOT = "s"  # mesh axis inside a replica group
 GROUP = "g"  # mesh axis across replica groups
 _SPEC = P(GROUP, SLOT)
-_ARRIVAL_GRACE = 2.0  # seconds a timed-out process gives its peers to record their arrival
 
+@dataclasses.dataclass
+class CollectiveStats:
+    """Counts of this process's eager collectives in the current job (see `collective_stats()`).
 
-class CollectiveError(RuntimeError):
-    """A collective that cannot run: peers disagree, or an earlier collective failed."""
+    `compiles`: executables built, one per signature (collective, parameters, groups, shapes,
+    dtypes) the first time the process meets it; `compile_seconds`: the time they took; `calls`:
+    collectives run. A loop that repeats the same collectives shows `compiles` stop growing after
+    its first iteration while `calls` keeps counting.
+    """
 
-
-class CollectiveTimeout(CollectiveError, TimeoutError):
-    """Peers did not reach a collective within the deadline."""
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    calls: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,30 +96,23 @@ def normalize_groups(groups: Sequence[Sequence[int]] | None, n: int) -> tuple[tu
 
 
 class Engine:
-    """Compiles, checks and runs collectives for this process. One per job (see `engine()`)."""
+    """Compiles, checks and runs collectives for this process in one job (see `engine()`)."""
 
-    def __init__(self) -> None:
-        job = _runtime.job()
+    def __init__(self, job: contract.JobEnv) -> None:
+        self.job = job
         self.rank, self.n = job.rank, job.world_size
-        self.host = job.host or socket.gethostname()
-        self.timeout = job.collective_timeout
-        self.kv = _runtime.kv_client()
-        self.prefix = f"tpudist/{job.job_id or 'job'}/c"
+        self.peers = Peers(_runtime.kv_client(), f"tpudist/{job.job_id or 'job'}/c", job.rank,
+                           job.world_size, job.host or socket.gethostname(), job.collective_timeout)
         self.device = jax.local_devices()[0]
         first: dict[int, Any] = {}
         for d in sorted(jax.devices(), key=lambda d: d.id):
             first.setdefault(d.process_index, d)
         self.process_devices = [first[p] for p in range(self.n)]
         self.seq = 0
-        self.stats = {"compiles": 0, "calls": 0, "compile_seconds": 0.0}
-        self._cache: dict[Any, Any] = {}
-        self._shardings: dict[Any, NamedSharding] = {}
-        self._stagings: dict[Any, _Staging | None] = {}
-        self.quick: dict[Any, Callable[[Any], Any] | None] = {}  # the collectives' repeat paths (_ops)
+        self.stats = CollectiveStats()
+        self._signatures: dict[Any, _Signature] = {}
         self._lock = threading.Lock()
         self._broken: str | None = None
-
-    # -- public entry ---------------------------------------------------------------------------
 
     def run(self, op: Op, groups: tuple[tuple[int, ...], ...],
             blocks: list[jax.Array] | list[np.ndarray]) -> list[jax.Array]:
@@ -126,21 +123,17 @@ class Engine:
         """
         with self._lock:
             seq = self._next_seq()
-            limit = self.timeout
-            deadline = time.monotonic() + limit
-            sharding = self._sharding(groups)
-            key = self._key(op, groups, blocks)
-            compiled = self._cache.get(key)
-            if compiled is None:
-                if self.kv is not None:
-                    self._check_peers(seq, op, groups, blocks, deadline, limit)
-                compiled = self._compile(op, groups, blocks)
-                self._cache[key] = compiled
-            if isinstance(blocks[0], np.ndarray):
-                inputs = self._staged(key, sharding, groups, blocks)
-            else:
-                inputs = [_global_array(sharding, groups, b) for b in blocks]
-            return self._execute(op, seq, compiled, inputs)
+            key = _key(op, groups, blocks)
+            signature = self._signatures.get(key)
+            if signature is None:
+                deadline = time.monotonic() + self.peers.timeout
+                try:
+                    self.peers.check(seq, op.name, _described(op, groups, blocks), deadline)
+                except CollectiveTimeout:
+                    self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
+                    raise
+                signature = self._signatures[key] = self._compile(op, groups, blocks)
+            return self._execute(op, seq, signature.executable, signature.inputs(blocks, self.device))
 
     def repeat(self, op: Op, groups: tuple[tuple[int, ...], ...],
                blocks: list[np.ndarray]) -> tuple[Callable[[Callable[[], Any]], list[jax.Array]],
@@ -149,172 +142,109 @@ class Engine:
         `call(fill)` runs it again after `fill()` has written the values into `hosts` (the staging
         arrays, shaped like `blocks`), skipping the lookups. None when there is no such staging.
 
-        Peers were checked when the signature was new; every call still takes a sequence number,
-        the lock and the deadline, like `run`.
+        Peers were checked when the signature was new; every call still takes a sequence number
+        and the lock, like `run`.
         """
-        key = self._key(op, groups, blocks)
-        compiled, staging = self._cache.get(key), self._stagings.get(key)
-        if compiled is None or not staging:
+        signature = self._signatures.get(_key(op, groups, blocks))
+        staging = signature.staging if signature is not None else None
+        if staging is None:
             return None
 
         def call(fill: Callable[[], Any]) -> list[jax.Array]:
             with self._lock:
                 seq = self._next_seq()
                 fill()
-                return self._execute(op, seq, compiled, staging.inputs)
+                return self._execute(op, seq, signature.executable, staging.inputs)
         return call, staging.hosts
-
-    # -- pieces ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _key(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> Any:
-        return op.name, op.params, groups, tuple((b.shape, np.dtype(b.dtype)) for b in blocks)
-
-    def _next_seq(self) -> int:
-        if self._broken:
-            raise CollectiveError(f"rank {self.rank} on {self.host}: collectives are unusable "
-                                  f"after an earlier failure ({self._broken}); restart the job")
-        self.seq += 1
-        return self.seq
-
-    def _execute(self, op: Op, seq: int, compiled: Any, inputs: list[jax.Array]) -> list[jax.Array]:
-        """Runs `compiled` on `inputs` (lock held); turns failures into the job's errors."""
-        self.stats["calls"] += 1
-        limit = self.timeout
-        start = time.monotonic()
-        try:
-            # XLA's gloo collectives enforce the deadline themselves (init() sets
-            # --xla_cpu_collective_timeout_seconds); small ones even run inside this call.
-            outs = [o.addressable_data(0) for o in compiled(*inputs)]
-            jax.block_until_ready(outs)
-        except Exception as e:  # noqa: BLE001 - XlaRuntimeError, re-raised with the job's facts
-            self._broken = f"{op.name} (collective #{seq}) failed"
-            if time.monotonic() - start >= 0.9 * limit or "timed out" in str(e).lower():
-                missing = self._missing(seq) if self.kv is not None else []
-                raise self._timeout_error(seq, op, missing, "waiting for peers", limit) from e
-            raise CollectiveError(f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) "
-                                  f"failed, most likely because a peer process died: {e}") from e
-        return outs
-
-    def _staged(self, key: Any, sharding: NamedSharding, groups: tuple[tuple[int, ...], ...],
-                hosts: list[np.ndarray]) -> list[jax.Array]:
-        """The global inputs holding `hosts`' values: the signature's staging buffers, refilled,
-        or (where a buffer cannot be shared with XLA) freshly imported blocks."""
-        staging = self._stagings.get(key)
-        if staging is None:
-            staging = self._stagings[key] = _Staging.build(hosts, sharding, groups, self.device)
-        if staging:
-            return staging.fill(hosts)
-        inputs = []
-        for host in hosts:
-            block = _convert.import_buffer(host, self.device)
-            if block is None:
-                block = jax.device_put(host, self.device)
-            inputs.append(_global_array(sharding, groups, block))
-        return inputs
-
-    def _sharding(self, groups: tuple[tuple[int, ...], ...]) -> NamedSharding:
-        """The (group, slot) sharding over one device per process, built once per grouping."""
-        found = self._shardings.get(groups)
-        if found is None:
-            devices = np.array([[self.process_devices[r] for r in g] for g in groups])
-            found = self._shardings[groups] = NamedSharding(Mesh(devices, (GROUP, SLOT)), _SPEC)
-        return found
-
-    def _compile(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[jax.Array]) -> Any:
-        sharding = self._sharding(groups)
-        mesh = sharding.mesh
-        slots = mesh.shape[SLOT]
-        lead = (mesh.shape[GROUP], slots)
-        avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
-        fn = jax.shard_map(lambda *xs: list(op.body(list(xs), slots)), mesh=mesh,
-                           in_specs=tuple(_SPEC for _ in blocks), out_specs=[_SPEC] * len(blocks))
-        start = time.perf_counter()
-        compiled = jax.jit(fn).lower(*avals).compile()
-        seconds = time.perf_counter() - start
-        self.stats["compiles"] += 1
-        self.stats["compile_seconds"] += seconds
-        log.debug("compiled %s%s for %s in %.3fs", op.name, dict(op.params), [a.shape for a in avals], seconds)
-        return compiled
-
-    def _signature(self, op: Op, groups: Any, blocks: list[jax.Array]) -> dict[str, Any]:
-        return {
-            "collective": op.name,
-            **{k: repr(v) for k, v in op.params},
-            "groups": [list(g) for g in groups],
-            "number of values": len(blocks),
-            **dict(op.detail),
-            "shapes": [list(b.shape[2:]) for b in blocks],
-            "dtypes": [str(b.dtype) for b in blocks],
-        }
-
-    def _check_peers(self, seq: int, op: Op, groups: Any, blocks: list[jax.Array], deadline: float,
-                     limit: float) -> None:
-        mine = self._signature(op, groups, blocks)
-        base = f"{self.prefix}/sig/{seq}/"
-        self.kv.key_value_set(base + str(self.rank), json.dumps(mine))
-        for r in range(self.n):
-            if r == self.rank:
-                continue
-            left_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
-            try:
-                theirs = json.loads(self.kv.blocking_key_value_get(base + str(r), left_ms))
-            except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                missing = self._absent(base)
-                self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
-                raise self._timeout_error(seq, op, missing, "checking the collective's signature",
-                                          limit) from None
-            for field, value in mine.items():
-                if theirs.get(field) != value:
-                    raise CollectiveError(
-                        f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) {field} "
-                        f"{_show(value)} differs from rank {r}'s {_show(theirs.get(field))}; every "
-                        "process must call the same collectives in the same order with the same "
-                        "shapes, dtypes and parameters")
-
-    def _absent(self, base: str) -> list[int]:
-        """The other ranks with no key under `base` in the key-value store."""
-        return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
-
-    def _has(self, key: str) -> bool:
-        try:
-            return self.kv.key_value_try_get(key) is not None
-        except Exception:  # noqa: BLE001 - NOT_FOUND
-            return False
-
-    def _arrive(self, seq: int) -> None:
-        try:
-            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - best effort; only improves the timeout message
-            pass
-
-    def _missing(self, seq: int) -> list[int]:
-        self._arrive(seq)
-        time.sleep(_ARRIVAL_GRACE)  # peers that are also waiting time out about now and record theirs
-        return self._absent(f"{self.prefix}/arrive/{seq}/")
-
-    def _timeout_error(self, seq: int, op: Op, missing: list[int], doing: str,
-                       limit: float) -> CollectiveTimeout:
-        who = f"ranks {missing} did not arrive" if missing else "peers did not finish"
-        return CollectiveTimeout(
-            f"rank {self.rank} on {self.host}: {op.name} (collective #{seq}) timed out after "
-            f"{limit:g}s {doing}: {who} (crashed, stuck, or called a different collective). "
-            f"Raise {contract.COLLECTIVE_TIMEOUT} if steps are slow.")
 
     def barrier(self, timeout: float | None = None) -> None:
         """Waits until every process reaches this barrier, or raises CollectiveTimeout."""
         with self._lock:
             self.seq += 1
-            if self.kv is None:
-                return
-            seq, limit = self.seq, timeout or self.timeout
-            self._arrive(seq)
-            try:
-                self.kv.wait_at_barrier(f"{self.prefix}/barrier/{seq}", int(limit * 1000))
-            except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                missing = self._absent(f"{self.prefix}/arrive/{seq}/")
-                raise self._timeout_error(seq, Op("barrier", (), lambda b, s: b), missing,
-                                          "at the barrier", limit) from None
+            self.peers.barrier(self.seq, timeout)
+
+    def _next_seq(self) -> int:
+        if self._broken:
+            raise CollectiveError(f"{self.peers.me}: collectives are unusable after an earlier "
+                                  f"failure ({self._broken}); restart the job")
+        self.seq += 1
+        return self.seq
+
+    def _execute(self, op: Op, seq: int, executable: Any, inputs: list[jax.Array]) -> list[jax.Array]:
+        """Runs `executable` on `inputs` (lock held); turns failures into the job's errors."""
+        self.stats.calls += 1
+        start = time.monotonic()
+        try:
+            # XLA's gloo collectives enforce the deadline themselves (init() sets
+            # --xla_cpu_collective_timeout_seconds); small ones even run inside this call.
+            outs = [o.addressable_data(0) for o in executable(*inputs)]
+            jax.block_until_ready(outs)
+        except Exception as e:  # noqa: BLE001 - XlaRuntimeError, re-raised with the job's facts
+            self._broken = f"{op.name} (collective #{seq}) failed"
+            raise self.peers.failure(seq, op.name, e, time.monotonic() - start) from e
+        return outs
+
+    def _compile(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> _Signature:
+        devices = np.array([[self.process_devices[r] for r in g] for g in groups])
+        sharding = NamedSharding(Mesh(devices, (GROUP, SLOT)), _SPEC)
+        lead = devices.shape
+        avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
+        fn = jax.shard_map(lambda *xs: list(op.body(list(xs), lead[1])), mesh=sharding.mesh,
+                           in_specs=tuple(_SPEC for _ in blocks), out_specs=[_SPEC] * len(blocks))
+        start = time.perf_counter()
+        executable = jax.jit(fn).lower(*avals).compile()
+        seconds = time.perf_counter() - start
+        self.stats.compiles += 1
+        self.stats.compile_seconds += seconds
+        log.debug("compiled %s%s for %s in %.3fs", op.name, dict(op.params), [a.shape for a in avals], seconds)
+        return _Signature(executable, sharding, lead)
+
+
+def _key(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> Any:
+    return op.name, op.params, groups, tuple((b.shape, np.dtype(b.dtype)) for b in blocks)
+
+
+def _described(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> dict[str, Any]:
+    """The signature as peers compare it, field by field, in the order errors name them."""
+    return {
+        "collective": op.name,
+        **{k: repr(v) for k, v in op.params},
+        "groups": [list(g) for g in groups],
+        "number of values": len(blocks),
+        **dict(op.detail),
+        "shapes": [list(b.shape[2:]) for b in blocks],
+        "dtypes": [str(b.dtype) for b in blocks],
+    }
+
+
+class _Signature:
+    """One compiled signature: its executable, the (group, slot) sharding of its inputs, and the
+    staging buffers for host values, built by the first call that brings host values."""
+
+    def __init__(self, executable: Any, sharding: NamedSharding, lead: tuple[int, int]) -> None:
+        self.executable, self.sharding, self.lead = executable, sharding, lead
+        self.staging: _Staging | None = None
+        self._staging_tried = False
+
+    def global_array(self, block: jax.Array) -> jax.Array:
+        """The (groups, slots, *shape) global array of which `block` is this process's only shard."""
+        return assemble(self.lead + block.shape[2:], self.sharding, [block])
+
+    def inputs(self, blocks: list[jax.Array] | list[np.ndarray], device: Any) -> list[jax.Array]:
+        """The executable's global inputs holding `blocks`' values: device blocks as they are, host
+        blocks through the staging buffers, or, where XLA cannot share one, imported afresh."""
+        if not isinstance(blocks[0], np.ndarray):
+            return [self.global_array(b) for b in blocks]
+        if not self._staging_tried:
+            self._staging_tried = True
+            self.staging = _Staging.build(blocks, self, device)
+        if self.staging is not None:
+            return self.staging.fill(blocks)
+        inputs = []
+        for host in blocks:
+            block = import_buffer(host, device)
+            inputs.append(self.global_array(jax.device_put(host, device) if block is None else block))
+        return inputs
 
 
 class _Staging:
@@ -332,18 +262,17 @@ class _Staging:
         self.hosts, self.inputs = hosts, inputs
 
     @classmethod
-    def build(cls, like: list[np.ndarray], sharding: NamedSharding, groups: tuple[tuple[int, ...], ...],
-              device: Any) -> _Staging | None:
+    def build(cls, like: list[np.ndarray], signature: _Signature, device: Any) -> _Staging | None:
         """Staging for values shaped like `like`, or None where XLA would not share a buffer
         (empty values, dtypes DLPack cannot carry such as numpy's bfloat16, another jaxlib)."""
         hosts, inputs = [], []
         for value in like:
             host = _aligned(value.shape, value.dtype)
-            block = _convert.import_buffer(host, device) if host.nbytes else None
+            block = import_buffer(host, device) if host.nbytes else None
             if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
                 return None
             hosts.append(host)
-            inputs.append(_global_array(sharding, groups, block))
+            inputs.append(signature.global_array(block))
         return cls(hosts, inputs)
 
     def fill(self, values: list[np.ndarray]) -> list[jax.Array]:
@@ -361,51 +290,31 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _global_array(sharding: NamedSharding, groups: tuple[tuple[int, ...], ...], block: jax.Array) -> jax.Array:
-    """The (groups, slots, *shape) global array of which `block` is this process's only shard."""
-    return assemble((len(groups), len(groups[0])) + block.shape[2:], sharding, [block])
-
-
-def assemble(shape: tuple[int, ...], sharding: NamedSharding, shards: list[jax.Array]) -> jax.Array:
-    """The global array of `shape` laid out by `sharding` whose addressable shards are `shards`
-    (one per local device, in the sharding's device order).
-
-    Built directly (a few microseconds) rather than through
-    jax.make_array_from_single_device_arrays (~50 us of checks that hold by construction for
-    tpudist's callers); the public call remains the fallback.
-    """
-    try:
-        from jax._src import array as jax_array
-        from jax._src import core
-        return jax_array.ArrayImpl(core.ShapedArray(shape, shards[0].dtype), sharding, shards,
-                                   committed=True, _skip_checks=True)
-    except Exception:  # noqa: BLE001 - private API moved: take the public path
-        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-        return ", ".join(str(tuple(v)) for v in value)
-    if isinstance(value, list):
-        return str(tuple(value))
-    return str(value)
-
-
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
 def engine() -> Engine:
-    """This process's engine, created on first use (joining the job if needed)."""
+    """This process's engine for its current job, built on first use (joining the job if needed)
+    and again after the process has left that job and joined another."""
     global _engine
-    if _engine is None:
+    job = _runtime.job()
+    found = _engine
+    if found is None or found.job is not job:
         with _engine_lock:
-            if _engine is None:
-                _engine = Engine()
-    return _engine
+            if _engine is None or _engine.job is not job:
+                _engine = Engine(job)
+            found = _engine
+    return found
 
 
-def reset() -> None:
-    """Drops the engine (at shutdown): its executables belong to the runtime being closed."""
-    global _engine
-    _engine = None
+def collective_stats() -> CollectiveStats:
+    """A snapshot of this process's collective counts in the current job. Example::
+
+        before = tpudist.collective_stats()
+        for _ in range(3):
+            tpudist.all_reduce(torch.ones(4))
+        after = tpudist.collective_stats()
+        assert after.calls - before.calls == 3 and after.compiles - before.compiles <= 1
+    """
+    return dataclasses.replace(engine().stats)

@@ -101,11 +101,11 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
            check: Callable[[list[_convert.Leaf], int], None] | None = None,
            detail: tuple[tuple[str, Any], ...] = ()) -> Any:
     eng = engine()
-    quick_key = _quick_key(name, params, x, groups)
-    if quick_key is not None:
-        quick = eng.quick.get(quick_key)
-        if quick is not None:
-            return quick(x)
+    repeats = _repeats(eng)
+    key = _repeat_key(name, params, x, groups)
+    repeat = repeats.get(key) if key is not None else None
+    if repeat is not None:
+        return repeat(x)
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x
@@ -124,44 +124,45 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
             blocks = [_convert.to_block(leaf, d, eng.device) for leaf, d in zip(leaves, descs)]
         outs = eng.run(op, norm, blocks)
         results = [_convert.from_block(o, d, o.shape[2:], copy=small) for o, d in zip(outs, descs)]
-    if small and quick_key is not None and quick_key not in eng.quick:
+    if small and key is not None and leaves[0] is x and key not in repeats:
         # None (no staging for this signature, e.g. bfloat16) is remembered too: not retried per call
-        eng.quick[quick_key] = _quick(eng, op, norm, blocks, descs[0])
+        repeats[key] = _repeat(eng, op, norm, blocks, descs[0])
     return jax.tree_util.tree_unflatten(treedef, results)
 
 
 # The repeat path for small single values. A training loop calls the same collective on a value of
 # the same kind, dtype and shape every step (a loss, a counter, a flag): after the first call,
-# which validates, checks peers, compiles and builds the staging buffer, later ones only copy
-# the value in, run and copy the result out (one process: 120-175 -> 77-137 us per call,
-# docs/collectives.md). The key holds everything the checks depend on, so a repeat with a new
-# shape, dtype, kind, parameter or grouping takes the full path.
+# which validates, checks peers, compiles and builds the staging buffer, later ones only copy the
+# value in, run and copy the result out (docs/collectives.md). The key is the call's collective,
+# parameters and groups (everything a collective's check reads besides the values' descriptions)
+# and the value's `_convert.fingerprint` (everything its description is computed from), so a call
+# the full path would treat differently never takes another's repeat path.
 
-def _quick_key(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
-    """The repeat-path key of a call, or None where the call has no repeat path."""
-    kind = type(x)
-    torch = _convert.torch_module()
-    if torch is not None and isinstance(x, torch.Tensor):
-        if not x.is_cpu:
-            return None
-        value = (x.dtype, x.shape, x.layout)
-    elif kind is np.ndarray:
-        value = (x.dtype, x.shape)
-    elif kind in (float, int, bool):
-        value = ()
-    else:
-        return None
+_repeat_table: tuple[Engine | None, dict[Any, Callable[[Any], Any] | None]] = (None, {})
+
+
+def _repeats(eng: Engine) -> dict[Any, Callable[[Any], Any] | None]:
+    """The repeat paths built on `eng`; a new engine (a new job) starts with none."""
+    global _repeat_table
+    if _repeat_table[0] is not eng:
+        _repeat_table = (eng, {})
+    return _repeat_table[1]
+
+
+def _repeat_key(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
+    """The repeat-path key of a call, or None where groups or parameters are not hashable (the
+    full path then reports what is wrong with them)."""
     try:
         key = (name, tuple(params.items()), None if groups is None else tuple(map(tuple, groups)),
-               kind, value)
+               _convert.fingerprint(x))
         hash(key)
-    except TypeError:  # unhashable groups or parameters: the full path reports what is wrong
+    except TypeError:
         return None
     return key
 
 
-def _quick(eng: Engine, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[np.ndarray],
-           leaf: _convert.Leaf) -> Callable[[Any], Any] | None:
+def _repeat(eng: Engine, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[np.ndarray],
+            leaf: _convert.Leaf) -> Callable[[Any], Any] | None:
     """The repeat path of a single staged value described by `leaf`, or None."""
     found = eng.repeat(op, groups, blocks)
     if found is None:
@@ -174,11 +175,11 @@ def _quick(eng: Engine, op: Op, groups: tuple[tuple[int, ...], ...], blocks: lis
     else:
         fill = lambda x: np.copyto(view, x)  # noqa: E731 - numpy arrays and Python scalars
 
-    def quick(x: Any) -> Any:
+    def repeat(x: Any) -> Any:
         with jax.enable_x64(True):
             (out,) = call(lambda: fill(x))
             return _convert.from_block(out, leaf, out.shape[2:], copy=True)
-    return quick
+    return repeat
 
 
 def _per_block(fn: Callable[[jax.Array, int], jax.Array]) -> Callable[[list[jax.Array], int], list[jax.Array]]:
