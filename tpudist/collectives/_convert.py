@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpudist._jaxcompat import import_buffer  # tpudist.compile imports it from here
+from tpudist._jaxcompat import import_buffer
 
 # Python scalar type -> the numpy dtype it travels as (the result converts back to the Python type).
 _SCALARS = {bool: np.bool_, int: np.int64, float: np.float64}

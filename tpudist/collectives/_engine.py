@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _runtime, contract
-from tpudist._jaxcompat import assemble, import_buffer  # tpudist.compile imports `assemble` from here
+from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.collectives._peers import CollectiveError, CollectiveTimeout, Peers
 
 log = logging.getLogger("tpudist.collectives")

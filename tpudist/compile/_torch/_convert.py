@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.collectives._convert import import_buffer
+from tpudist._jaxcompat import import_buffer
 
 _TORCH_TO_NUMPY = {
     torch.float32: np.dtype(np.float32),

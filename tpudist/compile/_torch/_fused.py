@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch import _optim
 from tpudist.compile._torch._capture import autocast_state, capture
-from tpudist.collectives._convert import import_buffer
-from tpudist.collectives._engine import assemble
+from tpudist._jaxcompat import import_buffer
+from tpudist._jaxcompat import assemble
 from tpudist.compile._torch._convert import to_jax, to_torch
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpudist.collectives._engine import assemble
+from tpudist._jaxcompat import assemble
 from tpudist.compile._torch.ops.collective import over_axis
 
 AXIS = "data"
