@@ -12,7 +12,12 @@ Names are imported lazily, so `import tpudist` (and the launcher) does not impor
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time every name is imported on first use
+    from tpudist.compile._dispatch import compile
 
 __version__ = "0.1.0"
 
@@ -43,17 +48,23 @@ _EXPORTS = {
     "collective_stats": "tpudist.collectives",
     "CollectiveStats": "tpudist.collectives",
     # compiled steps
+    "compile": "tpudist.compile._dispatch",
     "compile_stats": "tpudist.compile",
     "CompileStats": "tpudist.compile",
     "ShardedEmbedding": "tpudist.compile",
-    "optimizer_step": "tpudist.compile",
     "compile_train_step": "tpudist.compile",
-    "fit": "tpudist.compile",
-    "eager_step": "tpudist.compile",
+    "TrainStep": "tpudist.compile",
+    "supported_torch_ops": "tpudist.compile",
+    "UnsupportedOpError": "tpudist.compile",
+    "CaptureError": "tpudist.compile",
+    "CompiledModule": "tpudist.compile",
+    # training loops
+    "optimizer_step": "tpudist._training",
+    "fit": "tpudist._training",
+    "eager_step": "tpudist._training",
 }
-_SUBMODULES = ("mesh", "collectives", "compile", "launch", "testing", "nn", "contract")
+_SUBMODULES = ("mesh", "collectives", "launch", "testing", "nn", "contract")
 
-# `compile` is the subpackage tpudist.compile, which is callable: tpudist.compile(fn, mesh=...).
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 
 
@@ -69,3 +80,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """`tpudist.compile` is the function; importing the subpackage `tpudist.compile` (which holds its
+    implementation) must not rebind the name to the subpackage, as the import system otherwise
+    does. The subpackage stays importable: `from tpudist.compile import supported_torch_ops`."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "compile" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

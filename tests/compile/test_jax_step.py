@@ -311,3 +311,18 @@ def test_dlrm_example_trains_on_two_processes_of_two_devices(tmp_path):
     first, last, rate = float(match[1]), float(match[2]), int(match[3])
     assert last < first - 0.05 and rate > 0
     assert "loss" not in "".join(l for l in out[1].splitlines() if not l.startswith("[Gloo]"))
+
+
+def test_compile_is_a_typed_function_whatever_was_imported_before():
+    """`tpudist.compile` is a plain function with its options in its signature (help(), IDEs), even
+    after the subpackage `tpudist.compile` holding its implementation has been imported."""
+    import inspect
+    import tpudist.compile._torch  # noqa: F401  (binds the subpackage on `tpudist` for plain modules)
+    from tpudist.compile import supported_torch_ops
+    assert inspect.isfunction(tpudist.compile)
+    params = inspect.signature(tpudist.compile).parameters
+    assert list(params)[:1] == ["fn"]
+    assert {"mesh", "in_specs", "out_specs", "donate_argnums", "static_argnums", "per_device", "name"} <= set(params)
+    assert "in_specs" in tpudist.compile.__doc__ and supported_torch_ops() == tpudist.supported_torch_ops()
+    with pytest.raises(TypeError, match="make_mesh"):
+        tpudist.compile(lambda x: x)

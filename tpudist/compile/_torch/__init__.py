@@ -17,6 +17,6 @@ from tpudist.compile._torch._registry import UnsupportedOpError, supported_ops
 __all__ = ["CaptureError", "CompiledModule", "TorchCompileStats", "UnsupportedOpError", "compile_module",
            "supported_ops"]
 
-# the public spelling, re-exported as tpudist.compile.supported_torch_ops
+# the public spelling, re-exported as tpudist.supported_torch_ops
 supported_torch_ops = supported_ops
 __all__.append("supported_torch_ops")

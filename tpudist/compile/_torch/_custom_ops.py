@@ -24,6 +24,12 @@ def _stop_gradient_fake(x: torch.Tensor) -> torch.Tensor:
 
 STOP_GRADIENT = torch.ops.tpudist.stop_gradient.default
 
+# A parameter carrying this attribute (set to True) holds one process's shard of a larger tensor
+# (`tpudist.nn.ShardedEmbedding`'s rows, looked up through the op below); its .grad is already
+# summed over processes by the module's backward, so `tpudist.optimizer_step` does not all-reduce
+# it (see optimizer_step for how it is scaled), and the fused step splits it over the devices.
+SHARDED_ATTR = "_tpudist_sharded"
+
 
 @torch.library.custom_op("tpudist::sharded_embedding_lookup", mutates_args=())
 def sharded_embedding_lookup(block: torch.Tensor, ids: torch.Tensor, mode: str) -> torch.Tensor:

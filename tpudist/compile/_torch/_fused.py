@@ -42,7 +42,7 @@ from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
 from tpudist.compile._torch._program import _resolver
 from tpudist.compile._torch.ops.collective import over_axis
-from tpudist.nn import SHARDED_ATTR
+from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
 AXIS = "data"
 
@@ -216,6 +216,51 @@ class TrainStep:
     def _optimizer_key(self) -> tuple:
         return tuple((tuple(id(p) for p in g["params"]), _optim.config(self.kind, self.optimizer, g))
                      for g in self.optimizer.param_groups)
+
+
+def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                       optimizer: torch.optim.Optimizer, *, mesh: Any = None,
+                       max_grad_norm: float | None = None, accumulate_steps: int = 1) -> "TrainStep":
+    """The fused data-parallel step: forward, backward, the gradient all-reduce and the optimizer
+    update in ONE XLA executable. Returns `step(batch) -> loss`; `fit` uses it by default.
+
+    `batch` is this process's `(*inputs, target)`; the step runs `loss_fn(model(*inputs), target)`
+    (captured together with torch.export; `loss_fn` must return a mean-reduced scalar). With
+    `loss_fn=None` the model computes its own loss, as Hugging Face models do when the batch holds
+    `labels`: the batch is what the model takes (a dict: `model(**batch)`; a tuple: `model(*batch)`)
+    and the loss is `output.loss` (or `output["loss"]`, `output[0]`, or the output itself). It averages
+    the gradients over every device of every process in-graph, and applies `optimizer`'s update
+    inside the executable: torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize),
+    Adam (amsgrad, weight decay) and AdamW, matching torch.optim's numbers. Hyperparameters are read
+    from `optimizer.param_groups` on every step (LR schedulers work, no recompile); afterwards the
+    model's parameters and `optimizer.state` hold the new values (views of XLA's buffers), so
+    evaluation, `state_dict()` and checkpoints work between steps, and changes made from torch
+    between steps are picked up. `.grad` is not filled. `max_grad_norm` clips the averaged
+    gradients of the parameters it trains, like `torch.nn.utils.clip_grad_norm_` over them.
+    `mesh` defaults to every device of every process on one "data" axis; each process's batch is
+    split over its own devices (BatchNorm statistics are per device, as with DDP; the running
+    statistics are averaged over devices after each step).
+
+    `accumulate_steps=K` splits each device's share of the batch into K micro-batches, run one after
+    another inside the executable, and averages their gradients before one update: the same update
+    as one step on the whole batch (for a mean-reduced loss), in the memory of one micro-batch.
+
+    Random ops (dropout) draw from a key that lives on the devices and advances every step, folded
+    with each device's position, seeded from torch's default generator when the step first runs (so
+    `torch.manual_seed` before it makes the run reproducible). `torch.autocast` around a call is
+    honoured: the step is captured inside the same autocast (bf16 matmuls, fp32 parameters).
+
+    `tpudist.nn.ShardedEmbedding` layers train inside the step: their lookups become in-graph
+    collectives. A new batch shape, train/eval mode or autocast setting compiles once more (`step.stats`).
+
+        step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
+        loss = step((x_local, y_local))
+        step = tpudist.compile_train_step(bert, None, opt)          # Hugging Face: the model's loss
+        loss = step({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    """
+    return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm,
+                     accumulate_steps=accumulate_steps)
+
 
 
 class _FusedProgram:

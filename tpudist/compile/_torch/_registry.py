@@ -30,7 +30,7 @@ IGNORED_OPS = frozenset({
     torch.ops.aten.sym_constrain_range_for_size.default,
 })
 
-SUPPORTED_OPS_HINT = "tpudist.compile.supported_torch_ops()"
+SUPPORTED_OPS_HINT = "tpudist.supported_torch_ops()"
 
 
 class UnsupportedOpError(NotImplementedError):

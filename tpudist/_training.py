@@ -1,4 +1,4 @@
-"""Data-parallel PyTorch training across processes: `optimizer_step`, the fused step and `fit`.
+"""Data-parallel PyTorch training across processes: `optimizer_step`, `eager_step` and `fit`.
 
     for x, y in loader:                       # each process: its own part of the global batch
         opt.zero_grad()
@@ -10,8 +10,8 @@
     step = tpudist.compile_train_step(model, loss_fn, opt)   # one XLA executable per step
     loss = step((x_local, y_local))
 
-`fit` runs the fused step (`compile_train_step`, in `_torch/_fused.py`) by default and takes any
-other per-batch step as `step_fn` (`eager_step`: eager torch plus `optimizer_step`).
+`fit` runs the fused step (`compile_train_step`, in `tpudist/compile/_torch/_fused.py`) by default
+and takes any other per-batch step as `step_fn` (`eager_step`: eager torch plus `optimizer_step`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 
 import tpudist
 from tpudist.collectives import all_gather, all_reduce
-from tpudist.nn import SHARDED_ATTR
+from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
-__all__ = ["optimizer_step", "fit", "compile_train_step", "eager_step"]
+__all__ = ["optimizer_step", "fit", "eager_step"]
 
 StepFn = Callable[[Any], torch.Tensor]
 
@@ -78,51 +78,6 @@ def optimizer_step(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[i
             for p in sharded:
                 p.grad.div_(count)
     return optimizer.step(**(optimizer_args or {}))
-
-
-def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
-                       optimizer: torch.optim.Optimizer, *, mesh: Any = None,
-                       max_grad_norm: float | None = None, accumulate_steps: int = 1) -> StepFn:
-    """The fused data-parallel step: forward, backward, the gradient all-reduce and the optimizer
-    update in ONE XLA executable. Returns `step(batch) -> loss`; `fit` uses it by default.
-
-    `batch` is this process's `(*inputs, target)`; the step runs `loss_fn(model(*inputs), target)`
-    (captured together with torch.export; `loss_fn` must return a mean-reduced scalar). With
-    `loss_fn=None` the model computes its own loss, as Hugging Face models do when the batch holds
-    `labels`: the batch is what the model takes (a dict: `model(**batch)`; a tuple: `model(*batch)`)
-    and the loss is `output.loss` (or `output["loss"]`, `output[0]`, or the output itself). It averages
-    the gradients over every device of every process in-graph, and applies `optimizer`'s update
-    inside the executable: torch.optim.SGD (momentum, dampening, nesterov, weight decay, maximize),
-    Adam (amsgrad, weight decay) and AdamW, matching torch.optim's numbers. Hyperparameters are read
-    from `optimizer.param_groups` on every step (LR schedulers work, no recompile); afterwards the
-    model's parameters and `optimizer.state` hold the new values (views of XLA's buffers), so
-    evaluation, `state_dict()` and checkpoints work between steps, and changes made from torch
-    between steps are picked up. `.grad` is not filled. `max_grad_norm` clips the averaged
-    gradients of the parameters it trains, like `torch.nn.utils.clip_grad_norm_` over them.
-    `mesh` defaults to every device of every process on one "data" axis; each process's batch is
-    split over its own devices (BatchNorm statistics are per device, as with DDP; the running
-    statistics are averaged over devices after each step).
-
-    `accumulate_steps=K` splits each device's share of the batch into K micro-batches, run one after
-    another inside the executable, and averages their gradients before one update: the same update
-    as one step on the whole batch (for a mean-reduced loss), in the memory of one micro-batch.
-
-    Random ops (dropout) draw from a key that lives on the devices and advances every step, folded
-    with each device's position, seeded from torch's default generator when the step first runs (so
-    `torch.manual_seed` before it makes the run reproducible). `torch.autocast` around a call is
-    honoured: the step is captured inside the same autocast (bf16 matmuls, fp32 parameters).
-
-    `tpudist.nn.ShardedEmbedding` layers train inside the step: their lookups become in-graph
-    collectives. A new batch shape, train/eval mode or autocast setting compiles once more (`step.stats`).
-
-        step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
-        loss = step((x_local, y_local))
-        step = tpudist.compile_train_step(bert, None, opt)          # Hugging Face: the model's loss
-        loss = step({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    """
-    from tpudist.compile._torch._fused import TrainStep
-    return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm,
-                     accumulate_steps=accumulate_steps)
 
 
 def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
@@ -196,6 +151,7 @@ def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]
     steps = _FUSED.setdefault(model, {})
     key = (id(loss_fn), id(optimizer), accumulate_steps)
     if key not in steps or steps[key][0] is not loss_fn or steps[key][1] is not optimizer:
+        from tpudist.compile._torch._fused import compile_train_step
         steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer,
                                                              accumulate_steps=accumulate_steps))
     return steps[key][2]
