@@ -26,6 +26,7 @@ import torch
 
 import tpudist
 from tpudist.collectives import all_gather, all_reduce
+from tpudist.compile._torch._loader import device_loader
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
 __all__ = ["optimizer_step", "fit", "eager_step"]
@@ -93,7 +94,7 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | No
         step = eager_step(model, torch.nn.functional.mse_loss, opt)
         loss = step((x, y))
     """
-    from tpudist.compile._torch._fused import call_model, model_loss
+    from tpudist.compile._torch._plan import call_model, model_loss
 
     def loss_of(batch: Any) -> torch.Tensor:
         if loss_fn is None:
@@ -191,6 +192,9 @@ def _grouped(batches: Iterable[Any], size: int) -> Iterator[Any]:
 
 def _examples(batch: Any) -> int:
     """Number of examples in a batch: the leading dimension of its first tensor."""
+    rows = getattr(batch, "rows", None)  # a DeviceBatch
+    if isinstance(rows, int):
+        return rows
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
     if isinstance(batch, dict):
@@ -235,9 +239,12 @@ class _Progress:
         if self.bar is not None:
             self.task = self.bar.add_task(f"epoch {epoch}/{epochs}", total=total, info="")
 
-    def update(self, loss: float, rate: float) -> None:
+    def update(self, losses: list[Any], rate: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, info=f"loss {loss:.4g} (rank 0)  {rate:,.0f} examples/s")
+            # the newest loss the devices have finished: the bar never waits for a step
+            done = next((loss for loss in reversed(losses) if not hasattr(loss, "ready") or loss.ready()), None)
+            info = f"loss {float(done):.4g} (rank 0)  " if done is not None else ""
+            self.bar.update(self.task, advance=1, info=f"{info}{rate:,.0f} examples/s")
 
     def end_epoch(self, record: dict[str, float], epochs: int) -> None:
         if self.bar is not None:
@@ -289,6 +296,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if not isinstance(accumulate_steps, int) or isinstance(accumulate_steps, bool) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps={accumulate_steps!r} must be a positive int")
     rank, count = tpudist.process_index(), tpudist.process_count()
+    fused = step_fn is None
     step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps)
     total = _check_lengths(loader, shard)
     if total is not None:
@@ -300,13 +308,21 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     try:
         for epoch in range(1, epochs + 1):
             bar.epoch(epoch, epochs, total)
-            loss_sum, examples, steps = 0.0, 0, 0
+            losses: list[Any] = []  # on the devices until the epoch's end: no step waits for its loss
+            examples = 0
             start = time.perf_counter()
-            for batch in _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps):
-                loss_sum += float(_checked_step(step, batch, fused=step_fn is None))
-                examples += _examples(batch)
-                steps += 1
-                bar.update(loss_sum / steps, examples * count / (time.perf_counter() - start))
+            batches = _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps)
+            if fused:  # each batch moves to the devices while the step before it runs
+                batches = device_loader(batches, mesh=step.mesh)
+            try:
+                for batch in batches:
+                    losses.append(_checked_step(step, batch, fused=fused))
+                    examples += _examples(batch)
+                    bar.update(losses, examples * count / (time.perf_counter() - start))
+            finally:
+                if fused:
+                    batches.close()
+            loss_sum, steps = sum(float(loss) for loss in losses), len(losses)
             seconds = time.perf_counter() - start
             # One collective per epoch, not per step: the history's loss and example count.
             totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
@@ -317,4 +333,6 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
             bar.end_epoch(record, epochs)
     finally:
         bar.close()
+        if fused:
+            step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
     return history

@@ -216,9 +216,9 @@ def test_dropout_in_the_fused_step_is_new_every_step_and_reproducible():
         x = torch.ones(1, 64)
         updates = []
         for _ in range(steps):
-            before = model.w.detach().clone()
+            before = model.state_dict()["w"].clone()   # state_dict(): a door to the device values
             step((x, torch.zeros(1)))
-            updates.append((model.w.detach() - before).numpy())
+            updates.append((model.state_dict()["w"] - before).numpy())
         return np.stack(updates)
 
     first, again, other = run(0), run(0), run(1)
@@ -251,9 +251,9 @@ def test_autocast_around_the_fused_step_is_honoured_as_in_eager():
         ref_losses.append(loss.item())
     assert min(losses) > 10 and min(ref_losses) > 10
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=2e-2, atol=2e-3, err_msg=name)
+    assert all(p.dtype == torch.float32 for p in model.state_dict().values())
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-2, atol=2e-3, err_msg=name)
     # outside autocast the same step is float32 again: another signature
     assert step(batches(count=1)[0]).item() < 10
     assert step.stats.compiles == 2
@@ -364,7 +364,7 @@ def on_rank() -> dict:
     model = Dropped()
     step = tpudist.compile_train_step(model, mean_output, torch.optim.SGD(model.parameters(), lr=1.0))
     step((torch.ones(DEVICES, 64), torch.zeros(DEVICES)))
-    out["dropout_update"] = model.w.detach().numpy().copy()
+    out["dropout_update"] = model.state_dict()["w"].numpy().copy()
     return out
 
 

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch._capture import autocast_state, capture
 from tpudist.compile._torch._program import Program
+from tpudist.compile._torch._state import sync_module
 
 
 @dataclass
@@ -60,6 +61,7 @@ class CompiledModule(torch.nn.Module):
         return self._stats
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sync_module(self.module)  # a fused step training this module may hold newer values
         stats = self._stats
         stats.calls += 1
         leaves, spec = tree_flatten((args, kwargs))

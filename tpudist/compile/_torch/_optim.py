@@ -1,12 +1,15 @@
 """torch.optim's SGD, Adam and AdamW as JAX update rules, for the fused train step.
 
 The update runs inside the step's XLA executable; the optimizer object stays the source of truth
-for its hyperparameters and state. Each step reads every param group's current values (so LR
-schedulers and hand edits of `group["lr"]` work without recompiling) into one (params, fields)
-float32 table, and the structural choices (momentum on or off, nesterov, amsgrad, maximize,
-decoupled weight decay) into a static tuple that is part of the executable's signature. Scalar
-work that torch does in Python floats (Adam's bias corrections) is done here on the host the same
-way, so the numbers match torch.optim's single-tensor CPU implementations op for op.
+for its hyperparameters. Each step reads every param group's current values (so LR schedulers and
+hand edits of `group["lr"]` work without recompiling) into one (groups, fields) float32 table,
+sent to the devices only when it changes, and the structural choices (momentum on or off,
+nesterov, amsgrad, maximize, decoupled weight decay) into a static tuple that is part of the
+executable's signature. Each parameter's step count (Adam's `state["step"]`; for SGD, whether
+its momentum buffer exists yet) lives on the devices beside the optimizer state, so Adam's bias
+corrections are computed in-graph: `1 - beta^t` as `-expm1(t * log(beta))` from `log(beta)`
+computed on the host in double precision, which keeps them within float32 rounding of torch's
+Python-float values. Otherwise the numbers follow torch.optim's single-tensor CPU code op for op.
 """
 
 from __future__ import annotations
@@ -66,49 +69,59 @@ def config(kind: str, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -
                        amsgrad=amsgrad, maximize=bool(group["maximize"]), decoupled=decoupled)
 
 
-FIELDS = 7  # width of the hyperparameter table
+FIELDS = 8  # width of the hyperparameter table
 
 
-def hyper_row(cfg: ParamConfig, group: dict[str, Any], state: dict[str, Any]) -> tuple[list[float], float]:
-    """(this step's hyperparameter row, the optimizer step count after it) for one parameter.
+def hyper_row(cfg: ParamConfig, group: dict[str, Any]) -> list[float]:
+    """One param group's row of the hyperparameter table (read on the host every step).
 
-    sgd:  lr, momentum, dampening, weight_decay, first (1.0 while there is no momentum buffer yet)
-    adam: step_size = lr / (1 - beta1^t), sqrt(1 - beta2^t), eps, beta1, beta2, weight_decay,
-          1 - lr * weight_decay (AdamW's decay factor)
+    sgd:  lr, momentum, dampening, weight_decay
+    adam: lr, log(beta1), log(beta2), beta1, beta2, eps, weight_decay, 1 - lr * weight_decay
     """
     lr, wd = _float(group["lr"]), _float(group["weight_decay"])
     if cfg.kind == "sgd":
-        first = 1.0 if state.get("momentum_buffer") is None else 0.0
-        return [lr, _float(group["momentum"]), _float(group["dampening"]), wd, first, 0.0, 0.0], 0.0
+        return [lr, _float(group["momentum"]), _float(group["dampening"]), wd, 0.0, 0.0, 0.0, 0.0]
     beta1, beta2 = (_float(b) for b in group["betas"])
-    step = _float(state["step"]) + 1 if "step" in state else 1.0
-    step_size = lr / (1 - beta1 ** step)
-    bias2_sqrt = math.sqrt(1 - beta2 ** step)
-    return [step_size, bias2_sqrt, _float(group["eps"]), beta1, beta2, wd, 1 - lr * wd], step
+    return [lr, math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
+            beta1, beta2, _float(group["eps"]), wd, 1 - lr * wd]
 
 
 def initial_state(cfg: ParamConfig, param: torch.Tensor) -> list[np.ndarray]:
     """Zeros for every state tensor the optimizer has not created yet (SGD's first step ignores
-    its buffer: `first` is 1.0 then)."""
+    its buffer: its step count is 0 then)."""
     return [np.zeros(tuple(param.shape), dtype=jax_dtype(param.dtype)) for _ in cfg.state]
 
 
-def update(cfg: ParamConfig, param: Any, grad: Any, state: tuple[Any, ...], row: Any) -> tuple[Any, tuple[Any, ...]]:
-    """One parameter's update in JAX, as torch.optim computes it: (new param, new state)."""
-    row = row.astype(param.dtype)
+def step_count(cfg: ParamConfig, state: dict[str, Any]) -> float:
+    """How many updates torch's optimizer state says this parameter has had: Adam's `step`; for
+    SGD with momentum, 1 once its momentum buffer exists (all the update rule needs to know)."""
+    if cfg.kind == "adam":
+        return _float(state["step"]) if "step" in state else 0.0
+    return 1.0 if state.get("momentum_buffer") is not None else 0.0
+
+
+def update(cfg: ParamConfig, param: Any, grad: Any, state: tuple[Any, ...], row: Any,
+           count: Any) -> tuple[Any, tuple[Any, ...]]:
+    """One parameter's update in JAX, as torch.optim computes it: (new param, new state). `count`
+    is the parameter's step count before this update (a float32 scalar)."""
+    row = row.astype(jnp.float32)
     if cfg.maximize:
         grad = -grad
     if cfg.kind == "sgd":
-        lr, momentum, dampening, wd, first = (row[i] for i in range(5))
+        lr, momentum, dampening, wd = (row[i].astype(param.dtype) for i in range(4))
         grad = grad + wd * param
         new_state: tuple[Any, ...] = ()
         if cfg.momentum:
             (buf,) = state
-            buf = jnp.where(first > 0.5, grad, buf * momentum + (1 - dampening) * grad)
+            buf = jnp.where(count == 0, grad, buf * momentum + (1 - dampening) * grad)
             grad = grad + momentum * buf if cfg.nesterov else buf
             new_state = (buf,)
         return param - lr * grad, new_state
-    step_size, bias2_sqrt, eps, beta1, beta2, wd, decay = (row[i] for i in range(FIELDS))
+    lr, log_beta1, log_beta2, beta1, beta2, eps, wd, decay = (row[i] for i in range(FIELDS))
+    t = count + 1
+    step_size = (lr / -jnp.expm1(t * log_beta1)).astype(param.dtype)
+    bias2_sqrt = jnp.sqrt(-jnp.expm1(t * log_beta2)).astype(param.dtype)
+    beta1, beta2, eps, wd, decay = (v.astype(param.dtype) for v in (beta1, beta2, eps, wd, decay))
     if cfg.decoupled:
         param = param * decay
     else:

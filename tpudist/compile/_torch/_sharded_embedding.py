@@ -129,7 +129,10 @@ class ShardedEmbedding(nn.Module):
 
     def full_weight(self) -> torch.Tensor:
         """The whole (num_embeddings, embedding_dim) table, gathered from every process (a
-        collective: for tests and checkpoints, not the training loop)."""
+        collective: for tests and checkpoints, not the training loop). Current with any fused step
+        training it (a door, like `state_dict()`)."""
+        from tpudist.compile._torch._state import sync_module
+        sync_module(self)
         return all_gather(self.weight.detach(), dim=0)[:self.num_embeddings].clone()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""The per-device body of the fused train step, run under `shard_map` over the "data" axis.
+
+    body(params, fixed, updated, states, counts, hyper, batch, rng)
+        -> (params, updated, states, counts, loss, rng)
+
+Each device differentiates the loss of its slice of the batch (in `accumulate` micro-batches,
+one after another, if asked), the gradients of replicated parameters are averaged over the axis
+in one all-reduce (`ShardedEmbedding` rows are already summed by their lookup's backward), then
+every trained parameter takes its optimizer's update (`_optim.update`). Parameters the graph does
+not train pass through unchanged, as do their optimizer state and step count, as torch.optim
+skips a parameter without a gradient. The random key is split once per step and folded with the
+device's position, so each step and each device draws its own dropout masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tpudist.compile._torch import _optim
+from tpudist.compile._torch._placement import AXIS
+from tpudist.compile._torch._plan import Layout, Plan
+from tpudist.compile._torch.ops.collective import over_axis
+
+
+def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: int, accumulate: int,
+              random: bool, max_norm: float | None) -> Callable[..., Any]:
+    """The per-device step for one captured graph (`run`, from `_lower.lower`)."""
+    slots, trainable = plan.slots, plan.trainable
+    entries = layout.entries
+    sharded = [entries[i].sharded for i in trainable]
+    configs = [entries[i].config for i in trainable]
+    groups = [entries[i].group for i in trainable]
+    stepped = np.zeros(len(layout), np.float32)
+    stepped[trainable] = 1.0  # whose step count advances
+    update_outputs, loss_output = plan.update_outputs, plan.loss_output
+
+    def objective(own, params, fixed, updated, batch, key):
+        values = dict(zip(trainable, own))
+        arrays = [values.get(i, params[i]) if kind == "param" else fixed[i] if kind == "fixed"
+                  else updated[i] if kind == "updated" else batch[i] for kind, i in slots]
+        outs = run(arrays, key)
+        return outs[loss_output].reshape(()).astype(jnp.float32), [outs[i] for i in update_outputs]
+
+    gradient = jax.value_and_grad(objective, has_aux=True)
+
+    def accumulated(own, params, fixed, updated, batch, key):
+        """Gradients summed over `accumulate` slices of the batch, run one after another (the
+        updated BatchNorm statistics of one feed the next, as K eager forwards do), then averaged."""
+        micro = [b.reshape((accumulate, b.shape[0] // accumulate) + b.shape[1:]) for b in batch]
+        updated = [lax.pcast(u, AXIS, to="varying") for u in updated]  # replicated in, per device out
+
+        def one(carry, xs):
+            grads, loss, updated = carry
+            i, batch = xs
+            (l, new), g = gradient(own, params, fixed, updated, batch,
+                                   jax.random.fold_in(key, i) if random else None)
+            new = [n.astype(u.dtype) for n, u in zip(new, updated)]
+            return ([a + b for a, b in zip(grads, g)], loss + l, new), None
+
+        zeros = [jnp.zeros_like(p) for p in own]  # of `own`: already per device
+        start = (zeros, lax.pcast(jnp.float32(0), AXIS, to="varying"), updated)
+        (grads, loss, updated), _ = lax.scan(one, start, (jnp.arange(accumulate), micro))
+        return (loss / accumulate, updated), [g / accumulate for g in grads]
+
+    def body(params, fixed, updated, states, counts, hyper, batch, rng):
+        if random:
+            key, next_key = jax.random.split(jax.random.wrap_key_data(rng))
+            key, rng = jax.random.fold_in(key, lax.axis_index(AXIS)), jax.random.key_data(next_key)
+        else:
+            key = None
+        # differentiate each device's own loss: marked as varying over the axis, a replicated
+        # parameter's gradient is this device's alone (not implicitly summed by the transpose)
+        own = [params[i] if s else lax.pcast(params[i], AXIS, to="varying") for i, s in zip(trainable, sharded)]
+        with over_axis(AXIS, devices):
+            grad_fn = gradient if accumulate == 1 else accumulated
+            (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
+        replicated = [j for j, s in enumerate(sharded) if not s]
+        for j, g in zip(replicated, lax.pmean([grads[j] for j in replicated], AXIS)):
+            grads[j] = g
+        grads = [g / devices if s else g for g, s in zip(grads, sharded)]
+        if max_norm is not None:
+            grads = _clip(grads, sharded, max_norm)
+        new_params, new_states = list(params), list(states)
+        for j, (i, cfg, g) in enumerate(zip(trainable, configs, groups)):
+            new_params[i], new_states[i] = _optim.update(cfg, params[i], grads[j], tuple(states[i]), hyper[g],
+                                                         counts[i])
+        new_updated = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
+                       for b in new_updated]
+        return new_params, new_updated, new_states, counts + stepped, loss.reshape(1), rng
+
+    return body
+
+
+def _clip(grads: list[Any], sharded: list[bool], max_norm: float) -> list[Any]:
+    """torch.nn.utils.clip_grad_norm_ on the averaged gradients (sharded rows summed over devices)."""
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads]
+    replicated = sum((s for s, sh in zip(squares, sharded) if not sh), jnp.float32(0))
+    split = sum((s for s, sh in zip(squares, sharded) if sh), jnp.float32(0))
+    total = jnp.sqrt(replicated + (lax.psum(split, AXIS) if any(sharded) else 0.0))
+    coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
+    return [(g * coef).astype(g.dtype) for g in grads]
