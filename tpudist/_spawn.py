@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,10 +17,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tpudist import contract
+# free_port: tests import it from here
+from tpudist._proc import free_port, free_ports, set_parent_death_signal  # noqa: F401
 
 _GRACE_SECONDS = 3.0
 _EXIT_GRACE_SECONDS = 30.0  # after returning, time allowed for interpreter teardown
-_PR_SET_PDEATHSIG = 1
 
 
 class SpawnError(RuntimeError):
@@ -46,13 +45,6 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _stop_group(*_: object) -> None:
     os.killpg(0, signal.SIGKILL)  # this process and everything it started
 
@@ -64,11 +56,7 @@ def _die_with_parent(parent_pid: int) -> None:
     covers a main thread blocked in native code, and other platforms.
     """
     signal.signal(signal.SIGTERM, _stop_group)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
+    set_parent_death_signal(signal.SIGTERM)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -162,8 +150,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
     if cpu_devices is not None and (not isinstance(cpu_devices, int) or cpu_devices < 1):
         raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
     ctx = mp.get_context("spawn")
-    coordinator = f"127.0.0.1:{free_port()}"
-    master_port = free_port()
+    coordinator_port, master_port = free_ports(2, "127.0.0.1")
+    coordinator = f"127.0.0.1:{coordinator_port}"
     job_id = uuid.uuid4().hex[:12]
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tpudist.launch import control_pb2 as pb
+from tpudist.launch.control import control_pb2 as pb
 
 MAX_LINE = 1 << 20  # a line longer than this is passed on in pieces, to bound the agent's memory
 _TAIL_LINES = 64
