@@ -1,4 +1,8 @@
-"""`tpudist.spawn`: run a function in N local processes joined into one job (like `xmp.spawn`)."""
+"""`tpudist.spawn`: run a function in N local processes joined into one job (like `xmp.spawn`).
+
+Each spawned process is a child subreaper, so whatever `fn` starts stays its descendant even if it
+leaves the process group (a daemon); when the process ends or is stopped, so are they all.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from typing import Any
 
 from tpudist import contract
 # free_port: tests import it from here
-from tpudist._proc import free_port, free_ports, set_parent_death_signal  # noqa: F401
+from tpudist._proc import (become_subreaper, descendants, free_port, free_ports, send,  # noqa: F401
+                           set_parent_death_signal, stop_descendants)
 
 _GRACE_SECONDS = 3.0
 _EXIT_GRACE_SECONDS = 30.0  # after returning, time allowed for interpreter teardown
@@ -46,7 +51,8 @@ def _describe_exit(exitcode: int | None) -> str:
 
 
 def _stop_group(*_: object) -> None:
-    os.killpg(0, signal.SIGKILL)  # this process and everything it started
+    send(descendants(os.getpid()), signal.SIGKILL)  # whatever it started, daemons included
+    os.killpg(0, signal.SIGKILL)  # and this process with its group
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -85,6 +91,7 @@ def _exec_environ(extra: dict[str, str]) -> Iterator[None]:
 def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str],
            parent_pid: int, init: bool, conn: Connection) -> None:
     os.setpgrp()  # own process group: the parent stops this process and everything it started
+    become_subreaper()  # and what leaves the group (a daemon) stays this process's to stop
     _die_with_parent(parent_pid)
     os.environ.update(env)
     try:
@@ -101,9 +108,11 @@ def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[st
             conn.send_bytes(pickle.dumps(("error", detail)))
         finally:
             conn.close()
+            stop_descendants(os.getpid(), _GRACE_SECONDS)
             sys.stderr.flush()
             os._exit(1)
     conn.close()
+    stop_descendants(os.getpid(), _GRACE_SECONDS)  # nothing fn started outlives it
 
 
 def _stop(procs: list[mp.process.BaseProcess], grace: float = _GRACE_SECONDS) -> None:
@@ -169,7 +178,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
                 coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
                 host="localhost", cpu_devices=cpu_devices,
                 platform="cpu" if cpu_devices is not None else None, job_id=job_id,
-                init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout)
+                init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout,
+                stop_grace=_GRACE_SECONDS)
             child_env = {**(env or {}), **job.to_environ()}
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",

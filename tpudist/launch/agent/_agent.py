@@ -3,7 +3,9 @@
 Started as `python -m tpudist.launch.agent` (`__main__.py`). The agent never outlives its launcher:
 stdin reaching EOF (the SSH session or the launcher's pipe closed), the control stream breaking
 (gRPC keepalive), SIGTERM, or the parent dying (PR_SET_PDEATHSIG) all stop this host's processes
-(SIGTERM, then SIGKILL) and end the agent.
+and everything they started (SIGTERM, then SIGKILL) and end the agent. The agent is a child
+subreaper, so daemons its processes start (fork, setsid, fork) stay its descendants and are
+stopped with them (`_processes.py`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Agent:
         self.procs = ProcessSet(self.worker, self.outbound.put)
         self.done = threading.Event()
         self.reason = ""
+        self.child_ended = False  # SIGCHLD: an orphan re-parented to this agent may need reaping
 
     def finish(self, reason: str) -> None:
         if not self.done.is_set():
@@ -113,7 +116,9 @@ class Agent:
             threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
             registered.result()
             while not self.done.wait(0.5):  # the main thread stays free for signal handlers
-                pass
+                if self.child_ended:
+                    self.child_ended = False
+                    self.procs.reap()
         finally:
             self._teardown()
             self.outbound.put(_CLOSE)
@@ -173,10 +178,7 @@ class Agent:
             return pb.AgentMessage(worker=self.worker, heartbeat=pb.Heartbeat())
 
     def _teardown(self) -> None:
-        if self.procs.running():
-            self.procs.stop(ORPHAN_GRACE_S)
-        self.procs.wait(ORPHAN_GRACE_S + 2.0)
-        self.procs.kill_groups()  # leftovers the processes started in their groups
+        self.procs.end(ORPHAN_GRACE_S)  # every process and descendant: SIGTERM, grace, SIGKILL
         if self.reason != "shutdown":
             try:
                 print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
@@ -191,7 +193,9 @@ def main() -> int:
         _proc.set_parent_death_signal(signal.SIGTERM)  # sshd's session, or the launcher
         if os.getppid() == 1:  # the parent died before the request took effect
             return 1
+    _proc.become_subreaper()
     agent = Agent(boot)
+    signal.signal(signal.SIGCHLD, lambda *_: setattr(agent, "child_ended", True))
     signal.signal(signal.SIGTERM, lambda *_: agent.finish("SIGTERM"))
     signal.signal(signal.SIGHUP, lambda *_: agent.finish("SIGHUP"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the launcher, which stops us

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tpudist/launch/control/control.proto\x12\x0etpudist.launch\"\xd4\x01\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12?\n\x08versions\x18\x04 \x03(\x0b\x32-.tpudist.launch.RegisterRequest.VersionsEntry\x12\x12\n\nfree_ports\x18\x05 \x03(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1f\n\rRegisterReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"%\n\x06\x45nvVar\x12\x0c\n\x04name\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x98\x01\n\x0bProcessSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0c\n\x04\x61rgv\x18\x03 \x03(\x0c\x12#\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x16.tpudist.launch.EnvVar\x12\x14\n\x0cpath_prepend\x18\x05 \x03(\x0c\x12\x0b\n\x03\x63wd\x18\x06 \x01(\x0c\x12\x11\n\tconda_env\x18\x07 \x01(\t\"H\n\x05Start\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x05\x12.\n\tprocesses\x18\x02 \x03(\x0b\x32\x1b.tpudist.launch.ProcessSpec\"\x18\n\x06Signal\x12\x0e\n\x06signum\x18\x01 \x01(\x05\"\x17\n\x04Stop\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\n\n\x08Shutdown\"\xbf\x01\n\x0fLauncherMessage\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.tpudist.launch.StartH\x00\x12(\n\x06signal\x18\x02 \x01(\x0b\x32\x16.tpudist.launch.SignalH\x00\x12$\n\x04stop\x18\x03 \x01(\x0b\x32\x14.tpudist.launch.StopH\x00\x12,\n\x08shutdown\x18\x04 \x01(\x0b\x32\x18.tpudist.launch.ShutdownH\x00\x42\x06\n\x04kind\"\x07\n\x05Hello\"5\n\x07Started\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\"v\n\x06\x45xited\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\r\n\x05run_s\x18\x04 \x01(\x01\x12\x0c\n\x04tail\x18\x05 \x03(\x0c\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"M\n\x07LogLine\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12&\n\x06stream\x18\x02 \x01(\x0e\x32\x16.tpudist.launch.Stream\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\x04Logs\x12&\n\x05lines\x18\x01 \x03(\x0b\x32\x17.tpudist.launch.LogLine\"\x0b\n\tHeartbeat\"\xfa\x01\n\x0c\x41gentMessage\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.tpudist.launch.HelloH\x00\x12*\n\x07started\x18\x03 \x01(\x0b\x32\x17.tpudist.launch.StartedH\x00\x12(\n\x06\x65xited\x18\x04 \x01(\x0b\x32\x16.tpudist.launch.ExitedH\x00\x12$\n\x04logs\x18\x05 \x01(\x0b\x32\x14.tpudist.launch.LogsH\x00\x12.\n\theartbeat\x18\x06 \x01(\x0b\x32\x19.tpudist.launch.HeartbeatH\x00\x42\x06\n\x04kind*8\n\x06Stream\x12\x16\n\x12STREAM_UNSPECIFIED\x10\x00\x12\n\n\x06STDOUT\x10\x01\x12\n\n\x06STDERR\x10\x02\x32\xa3\x01\n\x07\x43ontrol\x12J\n\x08Register\x12\x1f.tpudist.launch.RegisterRequest\x1a\x1d.tpudist.launch.RegisterReply\x12L\n\x07Session\x12\x1c.tpudist.launch.AgentMessage\x1a\x1f.tpudist.launch.LauncherMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tpudist/launch/control/control.proto\x12\x0etpudist.launch\"\xd4\x01\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12?\n\x08versions\x18\x04 \x03(\x0b\x32-.tpudist.launch.RegisterRequest.VersionsEntry\x12\x12\n\nfree_ports\x18\x05 \x03(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1f\n\rRegisterReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"%\n\x06\x45nvVar\x12\x0c\n\x04name\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x98\x01\n\x0bProcessSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0c\n\x04\x61rgv\x18\x03 \x03(\x0c\x12#\n\x03\x65nv\x18\x04 \x03(\x0b\x32\x16.tpudist.launch.EnvVar\x12\x14\n\x0cpath_prepend\x18\x05 \x03(\x0c\x12\x0b\n\x03\x63wd\x18\x06 \x01(\x0c\x12\x11\n\tconda_env\x18\x07 \x01(\t\"Y\n\x05Start\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x05\x12.\n\tprocesses\x18\x02 \x03(\x0b\x32\x1b.tpudist.launch.ProcessSpec\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"\x18\n\x06Signal\x12\x0e\n\x06signum\x18\x01 \x01(\x05\"\x17\n\x04Stop\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\n\n\x08Shutdown\"\xbf\x01\n\x0fLauncherMessage\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.tpudist.launch.StartH\x00\x12(\n\x06signal\x18\x02 \x01(\x0b\x32\x16.tpudist.launch.SignalH\x00\x12$\n\x04stop\x18\x03 \x01(\x0b\x32\x14.tpudist.launch.StopH\x00\x12,\n\x08shutdown\x18\x04 \x01(\x0b\x32\x18.tpudist.launch.ShutdownH\x00\x42\x06\n\x04kind\"\x07\n\x05Hello\"5\n\x07Started\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\"v\n\x06\x45xited\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\r\n\x05run_s\x18\x04 \x01(\x01\x12\x0c\n\x04tail\x18\x05 \x03(\x0c\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"M\n\x07LogLine\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12&\n\x06stream\x18\x02 \x01(\x0e\x32\x16.tpudist.launch.Stream\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\x04Logs\x12&\n\x05lines\x18\x01 \x03(\x0b\x32\x17.tpudist.launch.LogLine\"\x0b\n\tHeartbeat\"\xfa\x01\n\x0c\x41gentMessage\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12&\n\x05hello\x18\x02 \x01(\x0b\x32\x15.tpudist.launch.HelloH\x00\x12*\n\x07started\x18\x03 \x01(\x0b\x32\x17.tpudist.launch.StartedH\x00\x12(\n\x06\x65xited\x18\x04 \x01(\x0b\x32\x16.tpudist.launch.ExitedH\x00\x12$\n\x04logs\x18\x05 \x01(\x0b\x32\x14.tpudist.launch.LogsH\x00\x12.\n\theartbeat\x18\x06 \x01(\x0b\x32\x19.tpudist.launch.HeartbeatH\x00\x42\x06\n\x04kind*8\n\x06Stream\x12\x16\n\x12STREAM_UNSPECIFIED\x10\x00\x12\n\n\x06STDOUT\x10\x01\x12\n\n\x06STDERR\x10\x02\x32\xa3\x01\n\x07\x43ontrol\x12J\n\x08Register\x12\x1f.tpudist.launch.RegisterRequest\x1a\x1d.tpudist.launch.RegisterReply\x12L\n\x07Session\x12\x1c.tpudist.launch.AgentMessage\x1a\x1f.tpudist.launch.LauncherMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST_VERSIONSENTRY']._loaded_options = None
   _globals['_REGISTERREQUEST_VERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_STREAM']._serialized_start=1406
-  _globals['_STREAM']._serialized_end=1462
+  _globals['_STREAM']._serialized_start=1423
+  _globals['_STREAM']._serialized_end=1479
   _globals['_REGISTERREQUEST']._serialized_start=57
   _globals['_REGISTERREQUEST']._serialized_end=269
   _globals['_REGISTERREQUEST_VERSIONSENTRY']._serialized_start=222
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROCESSSPEC']._serialized_start=344
   _globals['_PROCESSSPEC']._serialized_end=496
   _globals['_START']._serialized_start=498
-  _globals['_START']._serialized_end=570
-  _globals['_SIGNAL']._serialized_start=572
-  _globals['_SIGNAL']._serialized_end=596
-  _globals['_STOP']._serialized_start=598
-  _globals['_STOP']._serialized_end=621
-  _globals['_SHUTDOWN']._serialized_start=623
-  _globals['_SHUTDOWN']._serialized_end=633
-  _globals['_LAUNCHERMESSAGE']._serialized_start=636
-  _globals['_LAUNCHERMESSAGE']._serialized_end=827
-  _globals['_HELLO']._serialized_start=829
-  _globals['_HELLO']._serialized_end=836
-  _globals['_STARTED']._serialized_start=838
-  _globals['_STARTED']._serialized_end=891
-  _globals['_EXITED']._serialized_start=893
-  _globals['_EXITED']._serialized_end=1011
-  _globals['_LOGLINE']._serialized_start=1013
-  _globals['_LOGLINE']._serialized_end=1090
-  _globals['_LOGS']._serialized_start=1092
-  _globals['_LOGS']._serialized_end=1138
-  _globals['_HEARTBEAT']._serialized_start=1140
-  _globals['_HEARTBEAT']._serialized_end=1151
-  _globals['_AGENTMESSAGE']._serialized_start=1154
-  _globals['_AGENTMESSAGE']._serialized_end=1404
-  _globals['_CONTROL']._serialized_start=1465
-  _globals['_CONTROL']._serialized_end=1628
+  _globals['_START']._serialized_end=587
+  _globals['_SIGNAL']._serialized_start=589
+  _globals['_SIGNAL']._serialized_end=613
+  _globals['_STOP']._serialized_start=615
+  _globals['_STOP']._serialized_end=638
+  _globals['_SHUTDOWN']._serialized_start=640
+  _globals['_SHUTDOWN']._serialized_end=650
+  _globals['_LAUNCHERMESSAGE']._serialized_start=653
+  _globals['_LAUNCHERMESSAGE']._serialized_end=844
+  _globals['_HELLO']._serialized_start=846
+  _globals['_HELLO']._serialized_end=853
+  _globals['_STARTED']._serialized_start=855
+  _globals['_STARTED']._serialized_end=908
+  _globals['_EXITED']._serialized_start=910
+  _globals['_EXITED']._serialized_end=1028
+  _globals['_LOGLINE']._serialized_start=1030
+  _globals['_LOGLINE']._serialized_end=1107
+  _globals['_LOGS']._serialized_start=1109
+  _globals['_LOGS']._serialized_end=1155
+  _globals['_HEARTBEAT']._serialized_start=1157
+  _globals['_HEARTBEAT']._serialized_end=1168
+  _globals['_AGENTMESSAGE']._serialized_start=1171
+  _globals['_AGENTMESSAGE']._serialized_end=1421
+  _globals['_CONTROL']._serialized_start=1482
+  _globals['_CONTROL']._serialized_end=1645
 # @@protoc_insertion_point(module_scope)
