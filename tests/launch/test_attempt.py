@@ -74,6 +74,7 @@ def test_processes_that_fail_while_being_stopped_are_never_the_root_cause():
     result = attempt.result()
     assert result.root_rank == 2 and result.exit_status == 128 + signal.SIGKILL
     assert result.states[1].lost == "host agent gone: SSH connection lost"
+    assert result.states[0].describe() == "exit 143 (stopped)"  # it ended by itself once asked to
 
 
 def test_a_lost_host_fails_only_its_own_unfinished_processes_with_status_255():

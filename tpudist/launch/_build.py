@@ -37,7 +37,7 @@ def dry_run(config: LaunchConfig, cluster: Cluster) -> int:
     from tpudist.launch._transport import reach_address
 
     plan = build_plan(config.procs, cluster, choose_ports(config.job, _proc.free_ports(2)), job_id="dry-run",
-                      coordinator=reach_address(cluster, config.ssh))
+                      coordinator=reach_address(cluster, config.ssh), stop_grace=config.job.stop_grace)
     sys.stdout.buffer.write(plan_json(plan).encode("utf-8", "surrogateescape") + b"\n")
     sys.stdout.flush()
     return 0

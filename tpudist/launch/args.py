@@ -27,7 +27,7 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The launcher owns these: a user value would give processes a different idea of the job than the
 # launcher's, so `--env` may not set them.
 RESERVED_ENV = (contract.RANK, contract.WORLD_SIZE, contract.LOCAL_RANK, contract.LOCAL_WORLD_SIZE,
-                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART)
+                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART, contract.STOP_GRACE)
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:

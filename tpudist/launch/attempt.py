@@ -98,8 +98,8 @@ class ProcState:
             except ValueError:
                 name = f"signal {self.signal}"
             return name + (" (stopped)" if self.stopping else "")
-        if self.exit_code is not None:
-            return f"exit {self.exit_code}"
+        if self.exit_code is not None:  # "(stopped)": it ended by itself once asked to (SIGTERM)
+            return f"exit {self.exit_code}" + (" (stopped)" if self.stopping else "")
         return "running" if self.pid else "not started"
 
 

@@ -106,9 +106,10 @@ def choose_ports(job: JobOptions, probed: list[int]) -> Ports:
     return Ports(coordinator, master)
 
 
-def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id: str,
-               attempt: int = 0, coordinator: str | None = None) -> list[ProcessPlan]:
-    """Every process of the job, in rank order."""
+def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id: str, attempt: int = 0,
+               coordinator: str | None = None,
+               stop_grace: float = contract.DEFAULT_STOP_GRACE) -> list[ProcessPlan]:
+    """Every process of the job, in rank order (`stop_grace`: --stop-grace, which processes see)."""
     counts = processes_per_host(procs, cluster)
     world_size = sum(counts)
     addr = coordinator or coordinator_host(cluster)
@@ -124,7 +125,7 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
                 coordinator=f"{_bracket(addr)}:{ports.coordinator}", master_addr=addr,
                 master_port=ports.master, worker=worker, num_workers=len(cluster.hosts),
                 host=host.address, cpu_devices=procs.cpu_devices, platform=platform, job_id=job_id,
-                restart=attempt).to_environ()
+                restart=attempt, stop_grace=stop_grace).to_environ()
             if cluster.accelerator_type:
                 from tpudist.launch import tpu
                 env.update(tpu.tpu_process_env(cluster, worker, local_rank, nproc))

@@ -196,7 +196,8 @@ class Supervisor:
         probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[0].free_ports)
         plan = build_plan(self.config.procs, self.cluster, choose_ports(self.config.job, probed),
                           job_id=self.job_id, attempt=self.restarts.used,
-                          coordinator=reach_address(self.cluster, self.config.ssh))
+                          coordinator=reach_address(self.cluster, self.config.ssh),
+                          stop_grace=self.config.job.stop_grace)
         if self.sink is None:
             out = self.config.output
             self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir)
@@ -204,8 +205,8 @@ class Supervisor:
         self.attempt = Attempt(plan, number=self.restarts.used)
         for worker in range(len(self.hosts)):
             specs = [process_spec(p) for p in plan if p.worker == worker]
-            self.server.send(worker, pb.LauncherMessage(start=pb.Start(attempt=self.attempt.number,
-                                                                      processes=specs)))
+            self.server.send(worker, pb.LauncherMessage(start=pb.Start(
+                attempt=self.attempt.number, processes=specs, grace_s=self.config.job.stop_grace)))
         return self.attempt
 
     def _run_attempt(self, attempt: Attempt) -> AttemptResult:
