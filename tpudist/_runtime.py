@@ -58,7 +58,7 @@ def _configure_jax(job: contract.JobEnv) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def init(environ: Any = None) -> contract.JobEnv:
+def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv:
     """Joins the job described by the environment contract; idempotent.
 
     Returns this process's `JobEnv`. Example::
@@ -66,6 +66,12 @@ def init(environ: Any = None) -> contract.JobEnv:
         import tpudist
         job = tpudist.init()
         print(job.rank, tpudist.process_count(), len(tpudist.devices()))
+
+    In a multi-process job, SIGTERM (how the launcher stops a process) then raises SystemExit(143)
+    in the main thread, so `finally:` blocks and atexit handlers run before the process exits;
+    a SIGTERM handler the program set before `init()` is kept instead. `handle_sigterm=False`
+    leaves SIGTERM to JAX's preemption notifier, for programs that checkpoint at
+    `jax.experimental.multihost_utils.reached_preemption_sync_point` (see tpudist/_exit.py).
     """
     global _job, _joined_distributed
     with _lock:
@@ -88,6 +94,7 @@ def init(environ: Any = None) -> contract.JobEnv:
         if job.world_size > 1:
             import jax
             log.debug("rank %d/%d joining coordinator %s", job.rank, job.world_size, job.coordinator)
+            sigterm = _sigterm_handler()  # JAX's preemption notifier is about to take SIGTERM over
             try:
                 jax.distributed.initialize(
                     coordinator_address=job.coordinator,
@@ -103,6 +110,8 @@ def init(environ: Any = None) -> contract.JobEnv:
                     "for slow starts.") from e
             _joined_distributed = True
             _check_joined(job)
+            from tpudist import _exit
+            _exit.install(job.rank, job.stop_grace, sigterm, handle_sigterm)
         _job = job
         return job
 
@@ -112,6 +121,14 @@ def _check_joined(job: contract.JobEnv) -> None:
     if jax.process_count() != job.world_size or jax.process_index() != job.rank:
         raise RuntimeError(f"JAX reports process {jax.process_index()} of {jax.process_count()}, but "
                            f"the job says rank {job.rank} of {job.world_size}")
+
+
+def _sigterm_handler() -> Any:
+    """This process's Python SIGTERM handler (None off the main thread, where it cannot change)."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
 
 
 def is_initialized() -> bool:

@@ -1,14 +1,16 @@
-"""`tpudist.spawn`: run a function in N local processes joined into one job (like `xmp.spawn`)."""
+"""`tpudist.spawn`: run a function in N local processes joined into one job (like `xmp.spawn`).
+
+Each spawned process is a child subreaper, so whatever `fn` starts stays its descendant even if it
+leaves the process group (a daemon); when the process ends or is stopped, so are they all.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,10 +21,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tpudist import contract
+# free_port: tests import it from here
+from tpudist._proc import (become_subreaper, descendants, free_port, free_ports, send,  # noqa: F401
+                           set_parent_death_signal, stop_descendants)
 
 _GRACE_SECONDS = 3.0
 _EXIT_GRACE_SECONDS = 30.0  # after returning, time allowed for interpreter teardown
-_PR_SET_PDEATHSIG = 1
 
 
 class SpawnError(RuntimeError):
@@ -46,15 +50,9 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _stop_group(*_: object) -> None:
-    os.killpg(0, signal.SIGKILL)  # this process and everything it started
+    send(descendants(os.getpid()), signal.SIGKILL)  # whatever it started, daemons included
+    os.killpg(0, signal.SIGKILL)  # and this process with its group
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -64,11 +62,7 @@ def _die_with_parent(parent_pid: int) -> None:
     covers a main thread blocked in native code, and other platforms.
     """
     signal.signal(signal.SIGTERM, _stop_group)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
+    set_parent_death_signal(signal.SIGTERM)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -97,6 +91,7 @@ def _exec_environ(extra: dict[str, str]) -> Iterator[None]:
 def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str],
            parent_pid: int, init: bool, conn: Connection) -> None:
     os.setpgrp()  # own process group: the parent stops this process and everything it started
+    become_subreaper()  # and what leaves the group (a daemon) stays this process's to stop
     _die_with_parent(parent_pid)
     os.environ.update(env)
     try:
@@ -113,9 +108,11 @@ def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[st
             conn.send_bytes(pickle.dumps(("error", detail)))
         finally:
             conn.close()
+            stop_descendants(os.getpid(), _GRACE_SECONDS)
             sys.stderr.flush()
             os._exit(1)
     conn.close()
+    stop_descendants(os.getpid(), _GRACE_SECONDS)  # nothing fn started outlives it
 
 
 def _stop(procs: list[mp.process.BaseProcess], grace: float = _GRACE_SECONDS) -> None:
@@ -162,8 +159,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
     if cpu_devices is not None and (not isinstance(cpu_devices, int) or cpu_devices < 1):
         raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
     ctx = mp.get_context("spawn")
-    coordinator = f"127.0.0.1:{free_port()}"
-    master_port = free_port()
+    coordinator_port, master_port = free_ports(2, "127.0.0.1")
+    coordinator = f"127.0.0.1:{coordinator_port}"
     job_id = uuid.uuid4().hex[:12]
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
@@ -181,7 +178,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
                 coordinator=coordinator, master_addr="127.0.0.1", master_port=master_port,
                 host="localhost", cpu_devices=cpu_devices,
                 platform="cpu" if cpu_devices is not None else None, job_id=job_id,
-                init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout)
+                init_timeout=limits.init_timeout, collective_timeout=limits.collective_timeout,
+                stop_grace=_GRACE_SECONDS)
             child_env = {**(env or {}), **job.to_environ()}
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"tpudist-spawn-{index}",

@@ -48,18 +48,16 @@ def _run(argv: list[str]) -> int:
 
 def doctor(argv: Sequence[str]) -> int:
     """Prints every registered cluster source's verdict for these flags, then what would run."""
-    from tpudist.launch import _cluster
-    from tpudist.launch.args import build_parser
-    from tpudist.launch.launcher import choose_cluster
+    from tpudist.launch.args import build_parser, cluster_options
+    from tpudist.launch.clusters import choose_cluster, verdicts
 
-    args = build_parser("tpudist doctor").parse_args(list(argv))
-    args.verbose = False
-    results = _cluster.verdicts(args)
+    options = cluster_options(build_parser("tpudist doctor").parse_args(list(argv)))
+    results = verdicts(options)
     width = max(len(name) for name, _ in results)
     for name, verdict in results:
         print(f"{name:<{width}}  {'yes' if verdict.applies else 'no ':<3}  {verdict.reason}")
     try:
-        cluster = choose_cluster(args)
+        cluster = choose_cluster(options)
     except ValueError as e:
         print(f"\nno cluster: {e}")
         return 1

@@ -42,6 +42,7 @@ INIT_TIMEOUT = "TPUDIST_INIT_TIMEOUT"  # seconds tpudist.init() waits for every 
 COLLECTIVE_TIMEOUT = "TPUDIST_COLLECTIVE_TIMEOUT"  # seconds an eager collective waits for its peers
 CACHE_DIR = "TPUDIST_CACHE_DIR"  # persistent compilation cache directory ("off" disables it)
 RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under --max-restarts
+STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 
@@ -55,10 +56,11 @@ HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+DEFAULT_STOP_GRACE = 3.0
 
 ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
-       CACHE_DIR, RESTART, HUGEPAGES)
+       CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES)
 
 
 def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:
@@ -79,7 +81,7 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+def _float(environ: Mapping[str, str], name: str, default: float, zero_ok: bool = False) -> float:
     raw = environ.get(name)
     if raw is None or raw == "":
         return default
@@ -87,7 +89,7 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} must be a number of seconds") from None
-    if value <= 0:
+    if value < 0 or (value == 0 and not zero_ok):
         raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
     return value
 
@@ -112,6 +114,7 @@ class JobEnv:
     init_timeout: float = DEFAULT_INIT_TIMEOUT
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     restart: int = 0
+    stop_grace: float = DEFAULT_STOP_GRACE
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -147,6 +150,7 @@ class JobEnv:
             init_timeout=_float(environ, INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
             collective_timeout=_float(environ, COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT),
             restart=_int(environ, RESTART, 0),
+            stop_grace=_float(environ, STOP_GRACE, DEFAULT_STOP_GRACE, zero_ok=True),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -157,6 +161,6 @@ class JobEnv:
             MASTER_ADDR: self.master_addr, MASTER_PORT: self.master_port, WORKER: self.worker,
             NUM_WORKERS: self.num_workers, HOST: self.host, CPU_DEVICES: self.cpu_devices,
             PLATFORM: self.platform, JOB_ID: self.job_id, INIT_TIMEOUT: self.init_timeout,
-            COLLECTIVE_TIMEOUT: self.collective_timeout, RESTART: self.restart,
+            COLLECTIVE_TIMEOUT: self.collective_timeout, RESTART: self.restart, STOP_GRACE: self.stop_grace,
         }
         return {k: str(v) for k, v in values.items() if v is not None}

@@ -17,18 +17,19 @@ PROG = "python -m tpudist.xla_dist"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    from tpudist.launch import launcher
+    from tpudist.launch._build import build, dry_run
+    from tpudist.launch.args import parse_args
     from tpudist.launch.supervisor import Interrupted, LaunchError, Supervisor
 
     try:
-        args = launcher.parse(sys.argv[1:] if argv is None else argv, prog)  # parse
-        cluster = launcher.build(args)                                        # build
+        config = parse_args(sys.argv[1:] if argv is None else argv, prog)     # parse
+        cluster = build(config)                                               # build
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        return launcher.dry_run(args, cluster)
-    supervisor = Supervisor(args, cluster)
+    if config.job.dry_run:
+        return dry_run(config, cluster)
+    supervisor = Supervisor(config, cluster)
     try:
         return supervisor.run()                                               # run
     except LaunchError as e:

@@ -10,25 +10,26 @@ import pytest
 from launchutil import launch
 
 from tpudist import contract
-from tpudist.launch import _cluster
 from tpudist.launch.args import parse_args
-from tpudist.launch.sources_basic import parse_host, parse_hostfile, parse_hosts
+from tpudist.launch.clusters import resolve_cluster, verdicts
+from tpudist.launch.clusters.hostfile import parse_hostfile
+from tpudist.launch.clusters.hosts import parse_host, parse_hosts
 
 SEED = ("--tpu=my-tpu --conda-env=torch-xla-1.6 --env ANY_ENV_VAR=VALUE -- "
         "python /path/to/your/code.py --train_arg1 --train_arg2").split()
 
 
 def test_seed_command_line_parses_verbatim():
-    args = parse_args(SEED)
-    assert args.tpu == "my-tpu" and args.conda_env == "torch-xla-1.6"
-    assert args.env_vars == {"ANY_ENV_VAR": "VALUE"}
-    assert args.command == ["python", "/path/to/your/code.py", "--train_arg1", "--train_arg2"]
+    config = parse_args(SEED)
+    assert config.cluster.tpu == "my-tpu" and config.procs.conda_env == "torch-xla-1.6"
+    assert config.procs.env == {"ANY_ENV_VAR": "VALUE"}
+    assert config.procs.command == ("python", "/path/to/your/code.py", "--train_arg1", "--train_arg2")
 
 
 def test_command_after_double_dash_is_kept_verbatim_even_if_it_looks_like_flags():
-    args = parse_args(["--local", "--", "python", "--local", "--", "-x", "--env", "A=1"])
-    assert args.command == ["python", "--local", "--", "-x", "--env", "A=1"]
-    assert args.env_vars == {}
+    config = parse_args(["--local", "--", "python", "--local", "--", "-x", "--env", "A=1"])
+    assert config.procs.command == ("python", "--local", "--", "-x", "--env", "A=1")
+    assert config.procs.env == {}
 
 
 @pytest.mark.parametrize("value, fragment", [
@@ -46,7 +47,7 @@ def test_bad_env_values_are_refused_naming_the_value(value, fragment):
 
 def test_env_values_keep_every_character():
     hostile = "a=b c'\"$(x)`y`;\n\tü"
-    assert parse_args(["--env", f"K={hostile}", "--", "true"]).env_vars == {"K": hostile}
+    assert parse_args(["--env", f"K={hostile}", "--", "true"]).procs.env == {"K": hostile}
 
 
 def test_bad_env_exits_2_with_the_value_on_stderr():
@@ -99,11 +100,11 @@ def test_hosts_flag():
 
 
 def test_local_is_the_default_and_explicit_flags_win():
-    verdicts = dict(_cluster.verdicts(parse_args(["--", "true"])))
-    assert verdicts["local"].applies and not verdicts["hosts"].applies
-    verdicts = dict(_cluster.verdicts(parse_args(["--hosts", "a,b", "--", "true"])))
-    assert verdicts["hosts"].applies and not verdicts["local"].applies
-    assert _cluster.resolve_cluster(parse_args(["--hosts", "a,b", "--", "true"])).source == "hosts"
+    found = dict(verdicts(parse_args(["--", "true"]).cluster))
+    assert found["local"].applies and not found["hosts"].applies
+    found = dict(verdicts(parse_args(["--hosts", "a,b", "--", "true"]).cluster))
+    assert found["hosts"].applies and not found["local"].applies
+    assert resolve_cluster(parse_args(["--hosts", "a,b", "--", "true"]).cluster).source == "hosts"
 
 
 def test_doctor_prints_every_sources_verdict():
@@ -112,7 +113,7 @@ def test_doctor_prints_every_sources_verdict():
     r = subprocess.run([sys.executable, "-m", "tpudist", "doctor", "--hosts", "a,b"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    names = [name for name, _ in _cluster.verdicts(parse_args(["--", "true"]))]
+    names = [name for name, _ in verdicts(parse_args(["--", "true"]).cluster)]
     for name in names:
         assert any(line.split()[0] == name for line in r.stdout.splitlines() if line.strip()), (name, r.stdout)
     assert "chosen: hosts: 2 host(s): a, b" in r.stdout

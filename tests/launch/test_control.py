@@ -7,9 +7,10 @@ import queue
 import grpc
 import pytest
 
-from tpudist.launch import control_pb2 as pb
-from tpudist.launch import control_pb2_grpc as pb_grpc
-from tpudist.launch.control import TOKEN_METADATA, ControlServer
+from tpudist.launch.control import TOKEN_METADATA
+from tpudist.launch.control import control_pb2 as pb
+from tpudist.launch.control import control_pb2_grpc as pb_grpc
+from tpudist.launch.control._server import AgentReport, ControlServer, Registered, SessionLost, SessionOpened
 
 
 @pytest.fixture
@@ -41,8 +42,8 @@ def test_a_call_with_the_token_registers_and_gets_commands(server):
     reply = stub.Register(pb.RegisterRequest(worker=3, host="h", versions={"jax": "1"}),
                           metadata=((TOKEN_METADATA, "the-job-token"),), timeout=10)
     assert reply.job_id == "job1"
-    kind, worker, request = events.get(timeout=5)
-    assert (kind, worker, request.versions["jax"]) == ("registered", 3, "1")
+    event = events.get(timeout=5)
+    assert isinstance(event, Registered) and (event.worker, event.request.versions["jax"]) == (3, "1")
 
     outgoing: queue.Queue = queue.Queue()
     outgoing.put(pb.AgentMessage(worker=3, hello=pb.Hello()))
@@ -52,14 +53,16 @@ def test_a_call_with_the_token_registers_and_gets_commands(server):
             yield msg
 
     responses = stub.Session(requests(), metadata=((TOKEN_METADATA, "the-job-token"),), timeout=20)
-    assert events.get(timeout=5) == ("session", 3, None)
+    assert events.get(timeout=5) == SessionOpened(3)
     assert srv.send(3, pb.LauncherMessage(stop=pb.Stop(grace_s=1.5)))
     assert next(responses).stop.grace_s == 1.5
     outgoing.put(pb.AgentMessage(worker=3, exited=pb.Exited(rank=5, exit_code=7)))
-    kind, worker, msg = events.get(timeout=5)
-    assert (kind, worker, msg.exited.rank, msg.exited.exit_code) == ("message", 3, 5, 7)
+    event = events.get(timeout=5)
+    assert isinstance(event, AgentReport)
+    assert (event.worker, event.message.exited.rank, event.message.exited.exit_code) == (3, 5, 7)
     outgoing.put(None)  # the agent closes its stream: the supervisor hears that it is gone
-    assert events.get(timeout=5)[:2] == ("lost", 3)
+    event = events.get(timeout=5)
+    assert isinstance(event, SessionLost) and event.worker == 3
 
 
 def _listening(port: int) -> list[str]:

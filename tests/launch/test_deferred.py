@@ -1,4 +1,4 @@
-"""The agent's deferred imports (tpudist/launch/_deferred.py), each case in a fresh interpreter so
+"""The agent's deferred imports (tpudist/launch/agent/_deferred.py), each case in a fresh interpreter so
 that this pytest process's modules are untouched."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
     # What the agent does with grpc and protobuf (messages built, serialized, parsed; a real
     # channel and server with the generated stubs) must not need them, or deferring gains nothing.
     out = run_python(f"""
-        from tpudist.launch import _deferred
+        from tpudist.launch.agent import _deferred
         assert _deferred.defer(_deferred.AGENT_MODULES) == sorted(_deferred.AGENT_MODULES)
         from concurrent import futures
         import grpc
-        from tpudist.launch import control_pb2 as pb, control_pb2_grpc as pb_grpc
+        from tpudist.launch.control import control_pb2 as pb, control_pb2_grpc as pb_grpc
 
         class Control(pb_grpc.ControlServicer):
             def Register(self, request, context):
@@ -53,7 +53,7 @@ def test_the_agents_grpc_traffic_leaves_the_deferred_modules_unloaded():
 def test_a_deferred_module_is_whole_on_first_use():
     out = run_python("""
         import sys
-        from tpudist.launch import _deferred
+        from tpudist.launch.agent import _deferred
         _deferred.defer(_deferred.AGENT_MODULES)
         import asyncio                      # binds the placeholder
         import grpc
@@ -78,7 +78,7 @@ def test_a_deferred_module_is_whole_on_first_use():
 def test_already_imported_modules_are_left_alone_and_missing_ones_fail_as_usual():
     out = run_python("""
         import json, sys
-        from tpudist.launch import _deferred
+        from tpudist.launch.agent import _deferred
         print(_deferred.defer(["json", "no_such_module_tpudist", "csv"]))
         import csv
         print(type(sys.modules["json"]).__name__, _deferred.is_loaded("csv"), csv.QUOTE_ALL == 1)
@@ -101,7 +101,7 @@ def test_a_module_that_fails_to_load_raises_its_error_and_is_retried(tmp_path):
     out = run_python("""
         import sys
         sys.path.insert(0, ".")
-        from tpudist.launch import _deferred
+        from tpudist.launch.agent import _deferred
         _deferred.defer(["flaky_tpudist"])
         import flaky_tpudist
         try:
@@ -114,3 +114,25 @@ def test_a_module_that_fails_to_load_raises_its_error_and_is_retried(tmp_path):
         print(flaky_tpudist.VALUE)
     """, tmp_path)
     assert out.splitlines() == ["raised: flaky_tpudist cannot load yet", "False", "7"]
+
+
+def test_the_agents_start_up_and_the_launch_package_import_no_framework():
+    # What every host's agent imports before it registers (its __main__ minus running it), and what
+    # importing the launch package and its config costs: never jax, torch or grpc's asyncio half.
+    out = run_python("""
+        import sys
+        from tpudist.launch.agent import _deferred
+        _deferred.defer(_deferred.AGENT_MODULES)
+        import tpudist.launch.agent._agent
+        print(sorted(m for m in ("jax", "torch", "numpy", "paramiko", "dataclasses")
+                     if m in sys.modules), [_deferred.is_loaded(m) for m in _deferred.AGENT_MODULES])
+    """)
+    assert out.splitlines() == ["[] [False, False, False]"]
+    out = run_python("""
+        import sys
+        import tpudist.launch
+        from tpudist.launch import LaunchConfig, parse_args
+        parse_args(["--hosts", "a,b", "--", "python", "train.py"])
+        print(sorted(m for m in ("jax", "torch", "grpc", "paramiko") if m in sys.modules))
+    """)
+    assert out.strip() == "[]"

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpudist.launch.topology import (GENERATIONS, bounds_str, from_bounds, parse_bounds,
-                                     slice_topology)
+from tpudist.launch.tpu.topology import (GENERATIONS, bounds_str, from_bounds, parse_bounds,
+                                         slice_topology)
 
 # type, chips, TensorCores/chip, workers, chips/worker, chips-per-host bounds, host bounds, topology
 GOLDEN = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpudist.launch._cluster import Cluster, Host
-from tpudist.launch.tpu_env import (coordinator_address, check_nproc_per_host,
+from tpudist.launch.clusters import Cluster, Host
+from tpudist.launch.tpu.env import (coordinator_address, check_nproc_per_host,
                                     default_nproc_per_host, tpu_process_env, worker_env)
 
 

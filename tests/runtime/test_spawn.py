@@ -161,3 +161,37 @@ def test_spawned_processes_get_huge_pages_for_large_allocations(monkeypatch):
     assert opted_out[0][0] is None
     if _thp_mode() == "madvise":
         assert opted_out[0][1] < 32 << 10
+
+
+def start_daemon(index: int, pid_dir: str, fail: bool) -> int:
+    """Leaves a daemon behind (fork, setsid, fork: its own session, its parent gone), then returns."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(os.path.join(pid_dir, str(index)), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)
+        os._exit(0)
+    os.waitpid(child, 0)
+    while not os.path.exists(os.path.join(pid_dir, str(index))):
+        time.sleep(0.01)
+    if fail and index == 1:
+        raise RuntimeError("failed after starting a daemon")
+    return index
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_no_daemon_a_spawned_process_started_outlives_it(tmp_path, fail):
+    if fail:
+        with pytest.raises(tpudist.SpawnError):
+            tpudist.spawn(start_daemon, args=(str(tmp_path), True), nprocs=2, init=False, timeout=60)
+    else:
+        assert tpudist.spawn(start_daemon, args=(str(tmp_path), False), nprocs=2, init=False,
+                             timeout=60) == [0, 1]
+    daemons = [int(p.read_text()) for p in tmp_path.iterdir()]
+    assert len(daemons) == 2
+    deadline = time.monotonic() + 2.0
+    while any(_alive(p) for p in daemons) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in daemons), "a daemon outlived tpudist.spawn"

@@ -3,10 +3,11 @@
     python -m tpudist.xla_dist --hosts 10.0.0.2,10.0.0.3 --nproc-per-host 2 -- python train.py
     python -m tpudist.xla_dist --tpu=$TPU_NAME --conda-env=torch-xla --env K=V -- python train.py
 
-A cluster source resolves the hosts (`ClusterSource`; local, --hosts, --hostfile here, TPU and SLURM
-in their own modules), `build_plan` gives every process its argv and environment, and the
-`Supervisor` starts one agent per host over SSH, runs the job through the gRPC control plane and
-stops everything on the first failure. See docs/launcher.md.
+`parse_args` turns the command line into a frozen `LaunchConfig`; a cluster source resolves the
+hosts (`ClusterSource`: local, --hosts, --hostfile, --tpu, SLURM; `clusters/`), `build_plan` gives
+every process its argv and environment, and the `Supervisor` starts one agent per host over SSH
+(`agent/`), runs the job through the gRPC control plane (`control/`), feeds what happens to the
+job's state machine (`Attempt`) and stops everything on the first failure. See docs/launcher.md.
 
 Importing this package is cheap: nothing is imported until used (see below).
 """
@@ -18,15 +19,22 @@ from typing import Any
 
 # Everything is imported on first use: every host's agent imports this package (for
 # `python -m tpudist.launch.agent`), and each import here would add to every agent's start-up.
-# The cluster sources register themselves when `_cluster.sources()` is first asked for them.
-_LAZY = {"Cluster": "tpudist.launch._cluster", "ClusterSource": "tpudist.launch._cluster",
-         "Host": "tpudist.launch._cluster", "Verdict": "tpudist.launch._cluster",
-         "resolve_cluster": "tpudist.launch._cluster", "sources": "tpudist.launch._cluster",
-         "verdicts": "tpudist.launch._cluster",
-         "Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
-         "main": "tpudist.xla_dist", "build_parser": "tpudist.launch.args", "parse_args": "tpudist.launch.args",
-         "ProcessPlan": "tpudist.launch.plan", "build_plan": "tpudist.launch.plan",
-         "plan_json": "tpudist.launch.plan"}
+# The cluster sources register themselves when `sources.sources()` is first asked for them.
+_LAZY = {
+    "LaunchConfig": "tpudist.launch.config", "ClusterOptions": "tpudist.launch.config",
+    "ProcessOptions": "tpudist.launch.config", "SshOptions": "tpudist.launch.config",
+    "JobOptions": "tpudist.launch.config", "OutputOptions": "tpudist.launch.config",
+    "main": "tpudist.xla_dist", "build_parser": "tpudist.launch.args", "parse_args": "tpudist.launch.args",
+    "Cluster": "tpudist.launch.clusters", "ClusterSource": "tpudist.launch.clusters",
+    "Host": "tpudist.launch.clusters", "Verdict": "tpudist.launch.clusters",
+    "resolve_cluster": "tpudist.launch.clusters", "sources": "tpudist.launch.clusters",
+    "verdicts": "tpudist.launch.clusters",
+    "ProcessPlan": "tpudist.launch.plan", "build_plan": "tpudist.launch.plan",
+    "plan_json": "tpudist.launch.plan",
+    "Attempt": "tpudist.launch.attempt", "AttemptResult": "tpudist.launch.attempt",
+    "Outcome": "tpudist.launch.attempt",
+    "Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
+}
 
 __all__ = list(_LAZY)
 

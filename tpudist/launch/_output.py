@@ -13,15 +13,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from typing import BinaryIO
 
-from tpudist.launch import control_pb2 as pb
+from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.plan import ProcessPlan
 
 
 class LogSink:
-    def __init__(self, template: str, plan: list[ProcessPlan], *, ranks: set[int] | None = None,
+    def __init__(self, template: str, plan: list[ProcessPlan], *, ranks: Set[int] | None = None,
                  log_dir: str | None = None, stdout: BinaryIO | None = None,
                  stderr: BinaryIO | None = None) -> None:
         self.ranks = ranks

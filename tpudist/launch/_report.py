@@ -6,85 +6,70 @@ both are drawn with rich; otherwise the status is silent and the table is plain 
 
     status = StartStatus(enabled=sys.stderr.isatty())
     status.update(hosts=64, connected=12, registered=3, running=0, processes=128, attempt=0)
-    print(failure_table(states, root_rank=3), file=sys.stderr)
+    print(failure_table(attempt.result(), headline="tpudist: the job failed"), file=sys.stderr)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 
-from tpudist.launch.plan import ProcessPlan
-
-LOST_EXIT = 255  # like ssh: the connection to the host was lost
-
-
-@dataclasses.dataclass
-class ProcState:
-    """What the launcher knows of one process in the current attempt."""
-
-    plan: ProcessPlan
-    pid: int | None = None
-    exit_code: int | None = None
-    signal: int | None = None
-    run_s: float | None = None
-    tail: list[bytes] = dataclasses.field(default_factory=list)
-    error: str = ""
-    lost: str = ""  # why the host's agent went away, if it did before this process exited
-    stopping: bool = False  # it was still running when the launcher began stopping the job
-
-    @property
-    def done(self) -> bool:
-        return self.exit_code is not None or self.signal is not None or bool(self.lost)
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.lost) or bool(self.signal) or bool(self.exit_code)
-
-    def exit_status(self) -> int:
-        """The shell-style status: the exit code, 128+N for signal N, 255 for a lost host."""
-        if self.lost:
-            return LOST_EXIT
-        if self.signal:
-            return 128 + self.signal
-        return self.exit_code or 0
-
-    def outcome(self) -> str:
-        if self.lost:
-            return f"lost ({self.lost})"
-        if self.error:
-            return f"exit {self.exit_code}: {self.error}"
-        if self.signal:
-            try:
-                name = signal.Signals(self.signal).name
-            except ValueError:
-                name = f"signal {self.signal}"
-            return name + (" (stopped)" if self.stopping else "")
-        if self.exit_code is not None:
-            return f"exit {self.exit_code}"
-        return "running" if self.pid else "not started"
+from tpudist.launch.attempt import AttemptResult, Outcome, Restarts
+from tpudist.launch.clusters import Host
 
 
-def failure_table(states: list[ProcState], root_rank: int | None, *, headline: str = "") -> str:
+def failure_table(result: AttemptResult, *, headline: str = "") -> str:
     """The one table of the job's end, root cause first in attention, as text."""
     rows = []
-    for s in states:
-        mark = "<- root cause" if s.plan.rank == root_rank else ""
+    for s in result.states:
+        mark = "<- root cause" if s.plan.rank == result.root_rank else ""
         run = f"{s.run_s:.1f}s" if s.run_s is not None else "-"
-        rows.append((str(s.plan.host.address), str(s.plan.worker), str(s.plan.rank), s.outcome(), run, mark))
+        rows.append((str(s.plan.host.address), str(s.plan.worker), str(s.plan.rank), s.describe(), run, mark))
     header = ("host", "worker", "rank", "result", "time", "")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [headline] if headline else []
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    root = next((s for s in states if s.plan.rank == root_rank), None)
+    root = result.root
     if root is not None:
         lines.append(f"root cause (first observed failure): rank {root.plan.rank} on {root.plan.host.address} "
-                     f"(worker {root.plan.worker}): {root.outcome()}")
+                     f"(worker {root.plan.worker}): {root.describe()}")
         lines.extend("  " + t.decode(errors="replace") for t in root.tail)
     return "\n".join(lines)
+
+
+def ending_table(result: AttemptResult) -> str:
+    """The table a failed or interrupted job ends with, under a headline saying which."""
+    if result.outcome is Outcome.INTERRUPTED:
+        headline = f"tpudist: stopped by {signal.Signals(result.interrupt).name}; every process was stopped"
+    else:
+        headline = ("tpudist: the job failed; every other process was stopped"
+                    + (f" (attempt {result.number + 1})" if result.number else ""))
+    return failure_table(result, headline=headline)
+
+
+def restart_table(result: AttemptResult, restarts: Restarts) -> str:
+    """The table of a failed attempt that is run again (`restarts` already counts this restart)."""
+    return failure_table(result, headline=(f"tpudist: attempt {result.number + 1} failed; restarting "
+                                           f"({restarts.used}/{restarts.limit} restarts)"))
+
+
+def version_skew(versions: Mapping[int, Mapping[str, str]], hosts: Sequence[Host]) -> list[str]:
+    """One warning per package whose version differs across hosts (`versions`: worker -> name -> version)."""
+    by_package: dict[str, dict[str, list[int]]] = {}
+    for worker, found in versions.items():
+        for name in set(found) | {"jax", "torch", "tpudist"}:
+            by_package.setdefault(name, {}).setdefault(found.get(name, "missing"), []).append(worker)
+    warnings = []
+    for name, seen in sorted(by_package.items()):
+        if len(seen) > 1:
+            detail = "; ".join(f"{v} on {', '.join(hosts[w].address for w in sorted(ws)[:4])}"
+                               + (f" (+{len(ws) - 4} more)" if len(ws) > 4 else "")
+                               for v, ws in sorted(seen.items()))
+            warnings.append(f"tpudist: warning: {name} versions differ across hosts: {detail}")
+    return warnings
 
 
 class StartStatus:

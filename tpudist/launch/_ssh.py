@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import paramiko
 
-from tpudist.launch._cluster import Host
+from tpudist.launch.config import SshOptions
+from tpudist.launch.clusters import Host
 
 _known_hosts_lock = threading.Lock()
 # paramiko logs every failed handshake with a traceback; SshError says what went wrong instead.
@@ -32,21 +33,6 @@ logging.getLogger("paramiko").propagate = False
 
 class SshError(Exception):
     """Reaching or logging in to a host failed; the message names the host and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SshOptions:
-    user: str | None = None
-    port: int | None = None
-    key: str | None = None
-    known_hosts: str | None = None  # None: ~/.ssh/known_hosts (and /etc/ssh/ssh_known_hosts)
-    accept_new: bool = False
-    connect_timeout: float = 30.0
-    config_path: str = "~/.ssh/config"
-
-    def config(self) -> paramiko.SSHConfig:
-        path = os.path.expanduser(self.config_path)
-        return paramiko.SSHConfig.from_path(path) if os.path.exists(path) else paramiko.SSHConfig()
 
 
 @dataclasses.dataclass(frozen=True)

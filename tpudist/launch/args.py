@@ -1,13 +1,14 @@
-"""The launcher's command line: `python -m tpudist.xla_dist [flags] -- command ...`.
+"""The launcher's command line: `python -m tpudist.xla_dist [flags] -- command ...` -> `LaunchConfig`.
 
-`parse_args` returns an `argparse.Namespace` (cluster sources read it) with the user's values
-checked: `--env K=V` pairs become `args.env_vars` (an ordered dict), `--ranks-filter` becomes
-`args.ranks` (a set, or None), and `args.command` is the program to run. Bad input raises ValueError
-naming the value and the fix.
+`parse_args` checks the user's values once and returns the frozen `LaunchConfig` every other part
+reads: `--env K=V` pairs become `config.procs.env` (in order), `--ranks-filter` becomes
+`config.output.ranks`, everything after the first `--` is `config.procs.command`, verbatim. Bad input
+raises ValueError naming the value and the fix (argparse's own errors exit with status 2).
 
-    args = parse_args(["--tpu=my-tpu", "--conda-env=torch-xla-1.6", "--env", "A=1", "--",
-                       "python", "train.py", "--lr", "0.1"])
-    assert args.command == ["python", "train.py", "--lr", "0.1"] and args.env_vars == {"A": "1"}
+    config = parse_args(["--tpu=my-tpu", "--conda-env=torch-xla-1.6", "--env", "A=1", "--",
+                         "python", "train.py", "--lr", "0.1"])
+    assert config.procs.command == ("python", "train.py", "--lr", "0.1")
+    assert config.procs.env == {"A": "1"} and config.cluster.tpu == "my-tpu"
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import string
 from collections.abc import Sequence
 
 from tpudist import contract
+from tpudist.launch.config import (DEFAULT_LOG_PREFIX, PLATFORMS, PREFIX_FIELDS, ClusterOptions, JobOptions,
+                                   LaunchConfig, OutputOptions, ProcessOptions, SshOptions)
 
-DEFAULT_LOG_PREFIX = "[w{worker} r{rank} {host}] "
-PREFIX_FIELDS = ("worker", "rank", "local_rank", "host")
+PROG = "python -m tpudist.xla_dist"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The launcher owns these: a user value would give processes a different idea of the job than the
 # launcher's, so `--env` may not set them.
 RESERVED_ENV = (contract.RANK, contract.WORLD_SIZE, contract.LOCAL_RANK, contract.LOCAL_WORLD_SIZE,
-                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART)
+                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART, contract.STOP_GRACE)
 
 
-def build_parser(prog: str = "python -m tpudist.xla_dist") -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,
         description="Run one program on every host of a TPU slice, an SSH cluster or this machine.",
@@ -50,7 +51,7 @@ def build_parser(prog: str = "python -m tpudist.xla_dist") -> argparse.ArgumentP
     procs.add_argument("--nproc-per-host", type=int, metavar="N",
                        help="processes per host (default: the host's slots, the TPU's chips, else 1)")
     procs.add_argument("--cpu-devices", type=int, metavar="K", help="XLA CPU devices per process (CPU mesh)")
-    procs.add_argument("--platform", choices=("cpu", "gpu", "tpu"),
+    procs.add_argument("--platform", choices=PLATFORMS,
                        help="the JAX platform (default: tpu on a TPU, cpu with --cpu-devices, else JAX's)")
     procs.add_argument("--env", action="append", default=[], metavar="K=V",
                        help="set K=V for every process (repeatable)")
@@ -66,20 +67,21 @@ def build_parser(prog: str = "python -m tpudist.xla_dist") -> argparse.ArgumentP
     ssh.add_argument("--ssh-user", metavar="USER")
     ssh.add_argument("--ssh-port", type=int, metavar="PORT")
     ssh.add_argument("--ssh-key", metavar="FILE", help="private key (default: ~/.ssh/config, the agent, ~/.ssh/id_*)")
-    ssh.add_argument("--ssh-config", metavar="FILE", default="~/.ssh/config")
+    ssh.add_argument("--ssh-config", metavar="FILE", default=SshOptions.config_path)
     ssh.add_argument("--known-hosts", metavar="FILE", help="known_hosts file (default: ~/.ssh/known_hosts)")
     ssh.add_argument("--accept-new-host-keys", action="store_true",
                      help="add unknown host keys to known_hosts (OpenSSH's accept-new); changed keys still fail")
-    ssh.add_argument("--connect-timeout", type=float, default=30.0, metavar="S",
-                     help="seconds to reach and log in to each host (default 30)")
-    ssh.add_argument("--fanout", type=int, default=64, metavar="N", help="SSH connections opened at once")
+    ssh.add_argument("--connect-timeout", type=float, default=SshOptions.connect_timeout, metavar="S",
+                     help="seconds to reach and log in to each host (default %(default)g)")
+    ssh.add_argument("--fanout", type=int, default=SshOptions.fanout, metavar="N", help="SSH connections opened at once")
 
     job = p.add_argument_group("job")
-    job.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
-                     help="seconds for every host's agent to report after connecting (default 120)")
-    job.add_argument("--stop-grace", type=float, default=3.0, metavar="S",
-                     help="seconds between SIGTERM and SIGKILL when stopping processes (default 3)")
-    job.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restart the job after a failure")
+    job.add_argument("--start-timeout", type=float, default=JobOptions.start_timeout, metavar="S",
+                     help="seconds for every host's agent to report after connecting (default %(default)g)")
+    job.add_argument("--stop-grace", type=float, default=JobOptions.stop_grace, metavar="S",
+                     help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)g)")
+    job.add_argument("--max-restarts", type=int, default=JobOptions.max_restarts, metavar="N",
+                     help="restart the job after a failure")
     job.add_argument("--coordinator-port", type=int, metavar="PORT", help="JAX coordinator port (default: a free one)")
     job.add_argument("--master-port", type=int, metavar="PORT", help="MASTER_PORT (default: a free one)")
     job.add_argument("--dry-run", action="store_true", help="print the plan as JSON and start nothing")
@@ -112,12 +114,12 @@ def parse_env(values: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def parse_ranks(value: str | None) -> set[int] | None:
+def parse_ranks(value: str | None) -> frozenset[int] | None:
     """`"0,3"` -> {0, 3}."""
     if value is None:
         return None
     try:
-        ranks = {int(r) for r in value.split(",")}
+        ranks = frozenset(int(r) for r in value.split(","))
     except ValueError:
         raise ValueError(f"--ranks-filter {value!r} must be comma-separated ranks, e.g. 0,3") from None
     if any(r < 0 for r in ranks):
@@ -125,49 +127,38 @@ def parse_ranks(value: str | None) -> set[int] | None:
     return ranks
 
 
-def check_prefix(template: str) -> None:
-    """Raises ValueError unless the template uses only the known fields."""
-    try:
-        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise ValueError(f"--log-prefix {template!r}: {e}") from None
-    unknown = fields - set(PREFIX_FIELDS)
-    if unknown:
-        raise ValueError(f"--log-prefix {template!r} uses {sorted(unknown)}; known fields are "
-                         f"{', '.join('{%s}' % f for f in PREFIX_FIELDS)}")
+def cluster_options(ns: argparse.Namespace) -> ClusterOptions:
+    """The "where" flags of a parsed command line (also what `tpudist doctor` reads)."""
+    return ClusterOptions(local=ns.local, hosts=ns.hosts, hostfile=ns.hostfile, tpu=ns.tpu, zone=ns.zone,
+                          project=ns.project, internal_ip=ns.internal_ip)
 
 
-def parse_args(argv: Sequence[str], prog: str = "python -m tpudist.xla_dist") -> argparse.Namespace:
+def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
     """Parses and checks the launcher's flags. Raises ValueError on bad values."""
     argv = list(argv)
     parser = build_parser(prog)
     if "--" in argv:  # everything after the first `--` is the command, verbatim
         cut = argv.index("--")
-        args = parser.parse_args(argv[:cut])
-        if args.command:
-            raise ValueError(f"unexpected {args.command[0]!r} before '--'; put the command after '--'")
-        args.command = argv[cut + 1:]
+        ns = parser.parse_args(argv[:cut])
+        if ns.command:
+            raise ValueError(f"unexpected {ns.command[0]!r} before '--'; put the command after '--'")
+        command = argv[cut + 1:]
     else:
-        args = parser.parse_args(argv)
-    if not args.command:
-        raise ValueError("no command given; write: python -m tpudist.xla_dist [flags] -- python train.py")
-    args.env_vars = parse_env(args.env)
-    args.ranks = parse_ranks(args.ranks_filter)
-    check_prefix(args.log_prefix)
-    for flag, value, low in (("--nproc-per-host", args.nproc_per_host, 1), ("--cpu-devices", args.cpu_devices, 1),
-                             ("--fanout", args.fanout, 1), ("--max-restarts", args.max_restarts, 0)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} {value} must be at least {low}")
-    for flag, value in (("--connect-timeout", args.connect_timeout), ("--start-timeout", args.start_timeout)):
-        if value <= 0:
-            raise ValueError(f"{flag} {value} must be a positive number of seconds")
-    if args.stop_grace < 0:
-        raise ValueError(f"--stop-grace {args.stop_grace} must be >= 0")
-    for flag, value in (("--ssh-port", args.ssh_port), ("--coordinator-port", args.coordinator_port),
-                        ("--master-port", args.master_port)):
-        if value is not None and not 0 < value < 65536:
-            raise ValueError(f"{flag} {value} is not a port (1..65535)")
-    if args.coordinator_port and args.coordinator_port == args.master_port:
-        raise ValueError(f"--coordinator-port and --master-port are both {args.master_port}; they must differ")
-    args.workdir = os.path.abspath(args.workdir) if args.workdir else os.getcwd()
-    return args
+        ns = parser.parse_args(argv)
+        command = ns.command
+    if not command:
+        raise ValueError(f"no command given; write: {PROG} [flags] -- python train.py")
+    return LaunchConfig(
+        cluster=cluster_options(ns),
+        procs=ProcessOptions(
+            command=tuple(command), nproc_per_host=ns.nproc_per_host, cpu_devices=ns.cpu_devices,
+            platform=ns.platform, env=parse_env(ns.env),
+            workdir=os.path.abspath(ns.workdir) if ns.workdir else os.getcwd(),
+            venv=ns.venv, conda_env=ns.conda_env, python=ns.python),
+        ssh=SshOptions(user=ns.ssh_user, port=ns.ssh_port, key=ns.ssh_key, known_hosts=ns.known_hosts,
+                       accept_new=ns.accept_new_host_keys, connect_timeout=ns.connect_timeout,
+                       config_path=ns.ssh_config, fanout=ns.fanout),
+        job=JobOptions(start_timeout=ns.start_timeout, stop_grace=ns.stop_grace, max_restarts=ns.max_restarts,
+                       coordinator_port=ns.coordinator_port, master_port=ns.master_port, dry_run=ns.dry_run),
+        output=OutputOptions(log_prefix=ns.log_prefix, log_dir=ns.log_dir, ranks=parse_ranks(ns.ranks_filter),
+                             quiet=ns.quiet, verbose=ns.verbose))

@@ -7,20 +7,20 @@ environment, `GLIBC_TUNABLES` asking for huge pages (`contract.process_defaults`
 launcher's environment or `--env` sets it or TPUDIST_HUGEPAGES=0) and finally the user's `--env`
 values. `--dry-run` prints exactly this plan.
 
-    plan = build_plan(args, cluster, Ports(coordinator=8476, master=29500), job_id="ab12")
+    plan = build_plan(config.procs, cluster, Ports(coordinator=8476, master=29500), job_id="ab12")
     print(plan_json(plan))   # {"processes": [{"host": ..., "rank": 0, "argv": [...], "env": {...}}, ...]}
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 
 from tpudist import contract
-from tpudist.launch._cluster import Cluster, Host
+from tpudist.launch.config import JobOptions, ProcessOptions
+from tpudist.launch.clusters import Cluster, Host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,27 +61,27 @@ class ProcessPlan:
                 "path_prepend": list(self.path_prepend), "cwd": self.cwd, "conda_env": self.conda_env}
 
 
-def python_env(args: argparse.Namespace) -> PythonEnv:
+def python_env(procs: ProcessOptions) -> PythonEnv:
     """The Python environment chosen by --venv / --conda-env / --python (default: the launcher's)."""
-    if args.venv:
-        venv = os.path.abspath(os.path.expanduser(args.venv))
+    if procs.venv:
+        venv = os.path.abspath(os.path.expanduser(procs.venv))
         bin_dir = os.path.join(venv, "bin")
-        return PythonEnv(args.python or os.path.join(bin_dir, "python"), (bin_dir,), {"VIRTUAL_ENV": venv})
-    interpreter = args.python or sys.executable
-    if args.conda_env:  # the env's activation puts its own bin first; the agent still needs tpudist
-        return PythonEnv(interpreter, conda_env=args.conda_env)
+        return PythonEnv(procs.python or os.path.join(bin_dir, "python"), (bin_dir,), {"VIRTUAL_ENV": venv})
+    interpreter = procs.python or sys.executable
+    if procs.conda_env:  # the env's activation puts its own bin first; the agent still needs tpudist
+        return PythonEnv(interpreter, conda_env=procs.conda_env)
     # Not os.path.realpath: a venv's bin/python is a symlink, and its bin directory is the one to use.
     return PythonEnv(interpreter, (os.path.dirname(interpreter),))
 
 
-def processes_per_host(args: argparse.Namespace, cluster: Cluster) -> list[int]:
+def processes_per_host(procs: ProcessOptions, cluster: Cluster) -> list[int]:
     """How many processes each worker runs: --nproc-per-host, else slots, else the TPU's, else 1."""
-    if args.nproc_per_host:
-        return [args.nproc_per_host] * len(cluster.hosts)
+    if procs.nproc_per_host:
+        return [procs.nproc_per_host] * len(cluster.hosts)
     default = 1
     if cluster.accelerator_type:
-        from tpudist.launch import tpu_env  # issue 4's module; only needed on a TPU
-        default = tpu_env.default_nproc_per_host(cluster)
+        from tpudist.launch import tpu  # only needed on a TPU
+        default = tpu.default_nproc_per_host(cluster)
     return [host.slots or default for host in cluster.hosts]
 
 
@@ -96,24 +96,26 @@ def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -
 _LIBTPU_PORTS = (8476, 8476 + 64)
 
 
-def choose_ports(args: argparse.Namespace, probed: list[int]) -> Ports:
+def choose_ports(job: JobOptions, probed: list[int]) -> Ports:
     """--coordinator-port/--master-port, else ports probed free on rank 0's host."""
     # libtpu serves 8476 + local rank on every worker (TPU_PROCESS_PORT): never hand those out.
-    probed = [p for p in probed if p not in (args.coordinator_port, args.master_port)
+    probed = [p for p in probed if p not in (job.coordinator_port, job.master_port)
               and not _LIBTPU_PORTS[0] <= p < _LIBTPU_PORTS[1]]
-    coordinator = args.coordinator_port or probed.pop(0)
-    master = args.master_port or probed.pop(0)
+    coordinator = job.coordinator_port or probed.pop(0)
+    master = job.master_port or probed.pop(0)
     return Ports(coordinator, master)
 
 
-def build_plan(args: argparse.Namespace, cluster: Cluster, ports: Ports, *, job_id: str,
-               attempt: int = 0, coordinator: str | None = None) -> list[ProcessPlan]:
-    """Every process of the job, in rank order."""
-    counts = processes_per_host(args, cluster)
+def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id: str, attempt: int = 0,
+               coordinator: str | None = None,
+               stop_grace: float = contract.DEFAULT_STOP_GRACE) -> list[ProcessPlan]:
+    """Every process of the job, in rank order (`stop_grace`: --stop-grace, which processes see)."""
+    counts = processes_per_host(procs, cluster)
     world_size = sum(counts)
     addr = coordinator or coordinator_host(cluster)
-    pyenv = python_env(args)
-    platform = args.platform or ("tpu" if cluster.accelerator_type else "cpu" if args.cpu_devices else None)
+    pyenv = python_env(procs)
+    platform = procs.platform or ("tpu" if cluster.accelerator_type else "cpu" if procs.cpu_devices else None)
+    cwd = procs.cwd
     plan = []
     rank = 0
     for worker, (host, nproc) in enumerate(zip(cluster.hosts, counts)):
@@ -122,22 +124,23 @@ def build_plan(args: argparse.Namespace, cluster: Cluster, ports: Ports, *, job_
                 rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=nproc,
                 coordinator=f"{_bracket(addr)}:{ports.coordinator}", master_addr=addr,
                 master_port=ports.master, worker=worker, num_workers=len(cluster.hosts),
-                host=host.address, cpu_devices=args.cpu_devices, platform=platform, job_id=job_id,
-                restart=attempt).to_environ()
+                host=host.address, cpu_devices=procs.cpu_devices, platform=platform, job_id=job_id,
+                restart=attempt, stop_grace=stop_grace).to_environ()
             if cluster.accelerator_type:
-                from tpudist.launch import tpu_env
-                env.update(tpu_env.tpu_process_env(cluster, worker, local_rank, nproc))
+                from tpudist.launch import tpu
+                env.update(tpu.tpu_process_env(cluster, worker, local_rank, nproc))
             env["PYTHONUNBUFFERED"] = "1"
             env.update(pyenv.env)
-            env.update(contract.process_defaults(os.environ, args.env_vars))
-            env.update(args.env_vars)
-            plan.append(ProcessPlan(host, worker, rank, local_rank, tuple(args.command), env,
-                                    pyenv.path_prepend, args.workdir, pyenv.conda_env))
+            env.update(contract.process_defaults(os.environ, procs.env))
+            env.update(procs.env)
+            plan.append(ProcessPlan(host, worker, rank, local_rank, procs.command, env,
+                                    pyenv.path_prepend, cwd, pyenv.conda_env))
             rank += 1
     return plan
 
 
 def plan_json(plan: list[ProcessPlan]) -> str:
+    """The `--dry-run` output: `{"processes": [{"host", "worker", "rank", "local_rank", "argv", "env", ...}]}`."""
     return json.dumps({"processes": [p.to_json() for p in plan]}, indent=2, ensure_ascii=False)
 
 

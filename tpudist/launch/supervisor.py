@@ -1,17 +1,21 @@
-"""Running one job: connect, register, start, supervise, stop; restart under --max-restarts.
+"""Running one job: connect, register, then attempts until one ends the job; the I/O around `Attempt`.
 
-The supervisor is one visible sequence of named states on the launcher's main thread:
+The supervisor does the launcher's I/O on its main thread: it starts the agents, runs the control
+server, and turns what arrives into calls on the current `Attempt` (the job's state machine, in
+attempt.py), then does what the attempt's phase asks:
 
-    CONNECTING   agents start on every host in parallel (transport.open_agents)
+    CONNECTING   agents start on every host in parallel (_transport.open_agents)
     REGISTERING  every agent registers (versions; worker 0 also free ports) and opens its Session
-    STARTING     the plan of this attempt is sent, one Start per host
-    RUNNING      lines are printed, exits recorded; the first failure, a lost host or Ctrl-C ends it
-    STOPPING     SIGTERM to every process group, a grace period, then SIGKILL; wait for every exit
+    then, per attempt (`Restarts` decides whether a failed attempt runs again):
+      RUNNING    lines are printed, exits recorded; a failure, a lost host or Ctrl-C ends it
+      STOP       SIGTERM to every process group on every host ...
+      STOPPING   ... a grace period, then SIGKILL; wait for every exit
+      ENDED      the table (root cause first) and the exit status
 
-Anything that goes wrong before RUNNING raises LaunchError naming the hosts; `close()` always takes
-every agent down, so nothing of the job is left running anywhere.
+Anything that goes wrong before an attempt runs raises LaunchError naming the hosts; `close()`
+always takes every agent down, so nothing of the job is left running anywhere.
 
-    sup = Supervisor(args, cluster)
+    sup = Supervisor(config, cluster)
     try:
         code = sup.run()
     finally:
@@ -20,8 +24,9 @@ every agent down, so nothing of the job is left running anywhere.
 
 from __future__ import annotations
 
-import argparse
+import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import queue
 import secrets
@@ -30,17 +35,21 @@ import sys
 import threading
 import time
 
-from tpudist.launch import control_pb2 as pb
-from tpudist.launch._cluster import Cluster
+from tpudist import _proc
 from tpudist.launch._output import LogSink
-from tpudist.launch._report import ProcState, StartStatus, failure_table
-from tpudist.launch._ports import free_ports
-from tpudist.launch.plan import (ProcessPlan, build_plan, choose_ports, coordinator_host, processes_per_host,
-                                 python_env)
-from tpudist.launch.transport import AgentHandle, bootstrap_line, open_agents
+from tpudist.launch._report import StartStatus, ending_table, restart_table, version_skew
+from tpudist.launch._transport import AgentHandle, close_agents, open_agents, reach_address
+from tpudist.launch.attempt import Attempt, AttemptResult, Exit, Outcome, Phase, Restarts
+from tpudist.launch.config import LaunchConfig
+from tpudist.launch.control import Bootstrap
+from tpudist.launch.control import control_pb2 as pb
+from tpudist.launch.control._server import AgentReport, ControlEvent, Registered, SessionLost, SessionOpened
+from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, processes_per_host, python_env
+from tpudist.launch.clusters import Cluster
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # passed on to every process group of the job
 STOP_MARGIN_S = 3.0  # after the grace period: time for SIGKILL and the exit reports to arrive
+SERVER_START_S = 30.0
 
 
 class LaunchError(Exception):
@@ -51,25 +60,25 @@ class Interrupted(Exception):
     """Ctrl-C (or SIGTERM) before the processes ran."""
 
 
-def ssh_options(args: argparse.Namespace):
-    from tpudist.launch._ssh import SshOptions
+@dataclasses.dataclass(frozen=True)
+class Interrupt:
+    """SIGINT or SIGTERM reached the launcher (queued by its signal handler)."""
 
-    return SshOptions(user=args.ssh_user, port=args.ssh_port, key=args.ssh_key, known_hosts=args.known_hosts,
-                      accept_new=args.accept_new_host_keys, connect_timeout=args.connect_timeout,
-                      config_path=args.ssh_config)
-
-
-def reach_address(args: argparse.Namespace, cluster: Cluster) -> str:
-    """The address of rank 0's host for every process: internal IP, else ~/.ssh/config's HostName."""
-    if cluster.local or cluster.hosts[0].internal_ip:
-        return coordinator_host(cluster)
-    from tpudist.launch import _ssh
-
-    opts = ssh_options(args)
-    return coordinator_host(cluster, _ssh.resolve(cluster.hosts[0], opts, opts.config()).hostname)
+    signum: int
 
 
-def _spec(p: ProcessPlan) -> pb.ProcessSpec:
+@dataclasses.dataclass(frozen=True)
+class ForwardSignal:
+    """SIGUSR1 or SIGUSR2 reached the launcher: pass it on to every process group of the job."""
+
+    signum: int
+
+
+Event = ControlEvent | Interrupt | ForwardSignal
+
+
+def process_spec(p: ProcessPlan) -> pb.ProcessSpec:
+    """A planned process as the agent's Start carries it: argv and env as bytes."""
     return pb.ProcessSpec(
         rank=p.rank, local_rank=p.local_rank, argv=[os.fsencode(a) for a in p.argv],
         env=[pb.EnvVar(name=os.fsencode(k), value=os.fsencode(v)) for k, v in p.env.items()],
@@ -78,80 +87,72 @@ def _spec(p: ProcessPlan) -> pb.ProcessSpec:
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace, cluster: Cluster) -> None:
-        self.args, self.cluster = args, cluster
+    """Runs a job on a resolved cluster: agents, control server, attempts, teardown."""
+
+    def __init__(self, config: LaunchConfig, cluster: Cluster) -> None:
+        self.config, self.cluster = config, cluster
         self.hosts = cluster.hosts
         self.job_id = secrets.token_hex(6)
         self.token = secrets.token_urlsafe(32)
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in a signal handler
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()  # put() is safe in a signal handler
         self.server = None  # the ControlServer, started while the hosts connect
         self.agents: dict[int, AgentHandle] = {}
         self.registered: dict[int, pb.RegisterRequest] = {}
         self.sessions: set[int] = set()
         self.connected = 0
-        self.states: list[ProcState] = []
-        self.root: int | None = None  # rank of the first observed failure of this attempt
-        self.attempt = 0
+        self.attempt: Attempt | None = None
+        self.restarts = Restarts(config.job.max_restarts)
         self.interrupts: list[int] = []  # signal numbers, in order
-        self.nprocs = sum(processes_per_host(args, cluster))
+        self.nprocs = sum(processes_per_host(config.procs, cluster))
         tty = sys.stderr.isatty() and sys.stdout.isatty()
-        self.status = StartStatus(enabled=tty and not args.quiet)
+        self.status = StartStatus(enabled=tty and not config.output.quiet)
         self.sink: LogSink | None = None
         self.t0 = time.monotonic()
 
     # -- the sequence ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        with self._signal_handlers():
+        with _signal_handlers(self.interrupts, self.events):
             self._connect()
             self._await_agents()
             while True:
-                self._start_attempt()
-                outcome, root = self._supervise()
-                if outcome != "success":
-                    outcome = self._stop_all(outcome)
-                if outcome == "failure" and self.attempt < self.args.max_restarts and not self.interrupts:
-                    self._print(failure_table(self.states, root, headline=(
-                        f"tpudist: attempt {self.attempt + 1} failed; restarting "
-                        f"({self.attempt + 1}/{self.args.max_restarts} restarts)")))
-                    self.attempt += 1
-                    continue
-                return self._finish(outcome, root)
+                result = self._run_attempt(self._start_attempt())
+                if not self.restarts.take(result):
+                    return self._finish(result)
+                self._print(restart_table(result, self.restarts))
 
-    def _start_server(self) -> int:
-        from tpudist.launch.control import ControlServer  # grpc: imported while SSH handshakes run
+    def _start_server(self, port: concurrent.futures.Future) -> None:
+        """Starts the control server; `port` gets its port, or the error, for the agents' side."""
+        from tpudist.launch.control._server import ControlServer  # grpc: imported while SSH handshakes run
 
-        self.server = ControlServer(self.token, self.events, self.job_id)
-        return self.server.start()
+        try:
+            self.server = ControlServer(self.token, self.events, self.job_id)
+            port.set_result(self.server.start())
+        except BaseException as e:
+            port.set_exception(e)
+            raise
 
     def _connect(self) -> None:
         """CONNECTING: agents start on every host while the control server starts here."""
-        port = _Promise()
-        if self.cluster.local:  # the local agent dials the server directly: it must be up first
-            port.set(self._start_server())
-
-        def bootstrap(worker, host, die_with_parent):
-            return lambda agent_port: bootstrap_line(worker=worker, host=host.address, port=agent_port,
-                                                     token=self.token, die_with_parent=die_with_parent)
-
-        def connected(worker: int) -> None:
-            self.connected += 1
-
+        port: concurrent.futures.Future[int] = concurrent.futures.Future()
         results: dict = {}
 
         def connect() -> None:
             results.update(open_agents(
-                self.cluster, python=python_env(self.args).interpreter, make_bootstrap=bootstrap,
-                control_port=port.get, ssh_options=None if self.cluster.local else ssh_options(self.args),
-                fanout=self.args.fanout, on_connected=connected, poll=lambda: bool(self.interrupts)))
+                self.cluster, python=python_env(self.config.procs).interpreter,
+                make_bootstrap=_bootstrap_for(self.token), control_port=lambda: _port_of(port),
+                ssh_options=None if self.cluster.local else self.config.ssh,
+                on_connected=self._count_connected, poll=lambda: bool(self.interrupts)))
 
-        # The local agent's death signal is tied to the thread that starts it, so it starts here.
+        # The local agent dials the server directly, so it must be up first; and the local agent's
+        # death signal is tied to the thread that starts it, so it starts here.
         if self.cluster.local:
+            self._start_server(port)
             connect()
         else:
             connecting = threading.Thread(target=connect, name="tpudist-connect", daemon=True)
             connecting.start()
-            port.set(self._start_server())
+            self._start_server(port)
             while connecting.is_alive():  # open_agents has its own deadline
                 connecting.join(timeout=0.1)
                 self._show_status()
@@ -165,7 +166,9 @@ class Supervisor:
             raise LaunchError(f"cannot start the job on {len(failed)} of {len(self.hosts)} hosts:\n{lines}")
 
     def _await_agents(self) -> None:
-        deadline = time.monotonic() + self.args.start_timeout
+        """REGISTERING: every agent registers and opens its session, within --start-timeout."""
+        timeout = self.config.job.start_timeout
+        deadline = time.monotonic() + timeout
         want = set(range(len(self.hosts)))
         next_liveness = 0.0
         while not (want <= self.sessions and want <= set(self.registered)):
@@ -174,7 +177,7 @@ class Supervisor:
             now = time.monotonic()
             if now > deadline:
                 late = sorted(want - self.sessions)
-                raise LaunchError(f"no agent report within --start-timeout {self.args.start_timeout:g} s from "
+                raise LaunchError(f"no agent report within --start-timeout {timeout:g} s from "
                                   + ", ".join(str(self.hosts[w]) for w in late))
             # Every agent's SSH channel, a few times a second: each report wakes this loop, and
             # checking all of them on every wake-up was ~10% of the launcher's Python time at 64 hosts.
@@ -182,77 +185,70 @@ class Supervisor:
                 next_liveness = now + 0.2
                 if self._dead_agents():
                     time.sleep(0.5)  # the same problem usually hits every host: name them all at once
-                    raise LaunchError("\n".join(self._agent_failure(w, a) for w, a in self._dead_agents()))
+                    python = python_env(self.config.procs).interpreter
+                    raise LaunchError("\n".join(a.describe_failure(python) for a in self._dead_agents()))
             self._drain(timeout=0.1)
             self._show_status()
-        self._warn_version_skew()
+        for warning in version_skew({w: r.versions for w, r in self.registered.items()}, self.hosts):
+            self._print(warning)
 
-    def _start_attempt(self) -> None:
-        if self.cluster.local:
-            probed = free_ports(2)
-        else:
-            probed = list(self.registered[0].free_ports)
-        ports = choose_ports(self.args, probed)
-        plan = build_plan(self.args, self.cluster, ports, job_id=self.job_id, attempt=self.attempt,
-                          coordinator=reach_address(self.args, self.cluster))
+    def _start_attempt(self) -> Attempt:
+        probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[0].free_ports)
+        plan = build_plan(self.config.procs, self.cluster, choose_ports(self.config.job, probed),
+                          job_id=self.job_id, attempt=self.restarts.used,
+                          coordinator=reach_address(self.cluster, self.config.ssh),
+                          stop_grace=self.config.job.stop_grace)
         if self.sink is None:
-            self.sink = LogSink(self.args.log_prefix, plan, ranks=self.args.ranks, log_dir=self.args.log_dir)
+            out = self.config.output
+            self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir)
             self.sink.before_first_line = self.status.stop
-        self.states = [ProcState(p) for p in plan]
-        self.root = None
+        self.attempt = Attempt(plan, number=self.restarts.used)
         for worker in range(len(self.hosts)):
-            specs = [_spec(p) for p in plan if p.worker == worker]
-            self.server.send(worker, pb.LauncherMessage(start=pb.Start(attempt=self.attempt, processes=specs)))
+            specs = [process_spec(p) for p in plan if p.worker == worker]
+            self.server.send(worker, pb.LauncherMessage(start=pb.Start(
+                attempt=self.attempt.number, processes=specs, grace_s=self.config.job.stop_grace)))
+        return self.attempt
 
-    def _supervise(self) -> tuple[str, int | None]:
-        """RUNNING: returns ("success" | "failure" | "interrupted", root cause rank)."""
+    def _run_attempt(self, attempt: Attempt) -> AttemptResult:
+        """The attempt's loop: one step per phase until every process has ended."""
+        grace = self.config.job.stop_grace
+        hard = False  # a second Ctrl-C: kill at once
+        deadline = 0.0
         while True:
-            if self.interrupts:
-                return "interrupted", None
-            if self.root is not None:
-                return "failure", self.root
-            if all(s.done for s in self.states):
-                return "success", None
-            self._drain(timeout=0.2)
-            self._show_status()
+            self._feed_interrupts(attempt)
+            phase = attempt.phase
+            if phase is Phase.ENDED:
+                return attempt.result()
+            if phase is Phase.RUNNING:
+                self._drain(timeout=0.2)
+                self._show_status()
+            elif phase is Phase.STOP:
+                attempt.begin_stop()
+                hard = len(self.interrupts) >= 2
+                self._broadcast(pb.LauncherMessage(stop=pb.Stop(grace_s=0.0 if hard else grace)))
+                deadline = time.monotonic() + (0 if hard else grace) + STOP_MARGIN_S
+            elif time.monotonic() >= deadline:  # STOPPING, and not every exit has arrived
+                attempt.give_up()
+            else:
+                if len(self.interrupts) >= 2 and not hard:
+                    hard = True
+                    self._broadcast(pb.LauncherMessage(stop=pb.Stop(grace_s=0.0)))
+                    deadline = min(deadline, time.monotonic() + 1.5)
+                self._drain(timeout=0.1)
 
-    def _stop_all(self, outcome: str) -> str:
-        """STOPPING: SIGTERM, grace, SIGKILL on every host; waits for every process's exit."""
-        grace = self.args.stop_grace
-        for s in self.states:
-            if not s.done:
-                s.stopping = True
-        hard = len(self.interrupts) >= 2
-        self._broadcast(pb.LauncherMessage(stop=pb.Stop(grace_s=0.0 if hard else grace)))
-        deadline = time.monotonic() + (0 if hard else grace) + STOP_MARGIN_S
-        while not all(s.done for s in self.states) and time.monotonic() < deadline:
-            if len(self.interrupts) >= 2 and not hard:  # a second Ctrl-C: kill at once
-                hard = True
-                self._broadcast(pb.LauncherMessage(stop=pb.Stop(grace_s=0.0)))
-                deadline = min(deadline, time.monotonic() + 1.5)
-            self._drain(timeout=0.1)
-        for s in self.states:
-            if not s.done:
-                s.lost = "did not report its exit in time"
-        return "interrupted" if self.interrupts else outcome
+    def _feed_interrupts(self, attempt: Attempt) -> None:
+        """Signals reach the attempt from the handler's list; an Interrupt event only wakes the loop."""
+        for signum in self.interrupts[len(attempt.interrupts):]:
+            attempt.interrupt(signum)
 
-    def _finish(self, outcome: str, root: int | None) -> int:
+    def _finish(self, result: AttemptResult) -> int:
         self.status.stop()
-        if outcome == "success":
-            if self.args.verbose:
-                self._print(f"tpudist: {len(self.states)} processes on {len(self.hosts)} hosts finished "
-                            f"in {time.monotonic() - self.t0:.1f} s")
-            return 0
-        if outcome == "interrupted":
-            sig = self.interrupts[0]
-            self._print(failure_table(self.states, None, headline=(
-                f"tpudist: stopped by {signal.Signals(sig).name}; every process was stopped")))
-            return 128 + sig
-        rootstate = next(s for s in self.states if s.plan.rank == root)
-        self._print(failure_table(self.states, root, headline=(
-            "tpudist: the job failed; every other process was stopped"
-            + (f" (attempt {self.attempt + 1})" if self.attempt else ""))))
-        return rootstate.exit_status()
+        if result.outcome is not Outcome.SUCCESS:
+            self._print(ending_table(result))
+        elif self.config.output.verbose:
+            self._print(f"tpudist: {len(result.states)} processes on {len(self.hosts)} hosts finished "
+                        f"in {time.monotonic() - self.t0:.1f} s")
+        return result.exit_status
 
     def close(self) -> None:
         """Takes every agent down (their processes with them) and the control server."""
@@ -260,12 +256,7 @@ class Supervisor:
         # Shutdown lets an agent end at once; if it is lost on the way, closing its connection (its
         # stdin) ends the agent just the same, so no need to wait for each one here.
         self._broadcast(pb.LauncherMessage(shutdown=pb.Shutdown()))
-        closers = [threading.Thread(target=a.close, daemon=True) for a in self.agents.values()]
-        for t in closers:
-            t.start()
-        deadline = time.monotonic() + 5.0
-        for t in closers:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        close_agents(self.agents.values(), timeout_s=5.0)
         if self.server is not None:
             self.server.close(grace_s=0.1)
         if self.sink is not None:
@@ -276,55 +267,49 @@ class Supervisor:
     def _drain(self, timeout: float) -> None:
         """Handles every event that arrives within `timeout` (at least waits for one)."""
         try:
-            item = self.events.get(timeout=timeout)
+            event = self.events.get(timeout=timeout)
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            self._handle(event)
             try:
-                item = self.events.get_nowait()
+                event = self.events.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, worker: int, payload) -> None:
-        if kind == "registered":
-            self.registered[worker] = payload
-        elif kind == "session":
-            self.sessions.add(worker)
-        elif kind == "lost":
-            self.sessions.discard(worker)
-            agent = self.agents.get(worker)
-            reason = "SSH connection lost" if agent is not None and agent.exit_status() == -1 else payload
-            for s in self.states:
-                if s.plan.worker == worker and not s.done:
-                    s.lost = f"host agent gone: {reason}"
-                    self._note_failure(s)
-        elif kind == "message":
-            self._on_message(payload)
-        elif kind == "forward":
-            self._broadcast(pb.LauncherMessage(signal=pb.Signal(signum=payload)))
+    def _handle(self, event: Event) -> None:
+        attempt = self.attempt
+        match event:
+            case Registered(worker, request):
+                self.registered[worker] = request
+            case SessionOpened(worker):
+                self.sessions.add(worker)
+            case SessionLost(worker, reason):
+                self.sessions.discard(worker)
+                agent = self.agents.get(worker)
+                if agent is not None and agent.exit_status() == -1:
+                    reason = "SSH connection lost"
+                if attempt is not None:
+                    attempt.host_lost(worker, reason)
+            case AgentReport(_, message):
+                self._on_report(message)
+            case Interrupt():
+                pass  # recorded by the signal handler; the event wakes whichever loop is waiting
+            case ForwardSignal(signum):
+                self._broadcast(pb.LauncherMessage(signal=pb.Signal(signum=signum)))
 
-    def _on_message(self, msg: pb.AgentMessage) -> None:
+    def _on_report(self, msg: pb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")
+        attempt = self.attempt
         if kind == "logs":
             if self.sink is not None:
                 self.sink.write_batch(msg.logs.lines)
-        elif kind == "started" and msg.started.attempt == self.attempt:
-            self.states[msg.started.rank].pid = msg.started.pid
-            if all(s.pid or s.done for s in self.states):
+        elif kind == "started" and attempt is not None:
+            attempt.started(msg.started.attempt, msg.started.rank, msg.started.pid)
+            if attempt.all_started():
                 self.status.stop()
-        elif kind == "exited" and msg.exited.attempt == self.attempt:
-            e = msg.exited
-            s = self.states[e.rank]
-            s.exit_code, s.signal, s.run_s = e.exit_code, e.signal or None, e.run_s
-            s.tail, s.error = list(e.tail), e.error
-            if s.signal is None and not e.exit_code:
-                s.exit_code = 0
-            self._note_failure(s)
-
-    def _note_failure(self, s: ProcState) -> None:
-        if s.failed and self.root is None and not s.stopping:
-            self.root = s.plan.rank
+        elif kind == "exited" and attempt is not None:
+            attempt.exited(msg.exited.attempt, msg.exited.rank, _exit_of(msg.exited))
 
     def _broadcast(self, msg: pb.LauncherMessage) -> None:
         if self.server is not None:
@@ -333,41 +318,17 @@ class Supervisor:
 
     # -- reporting ---------------------------------------------------------------------------------
 
-    def _dead_agents(self) -> list[tuple[int, AgentHandle]]:
-        return [(w, a) for w, a in sorted(self.agents.items()) if w not in self.sessions and not a.alive()]
+    def _count_connected(self, worker: int) -> None:
+        self.connected += 1
 
-    def _agent_failure(self, worker: int, agent: AgentHandle) -> str:
-        code = agent.exit_status()
-        said = agent.stderr_text()
-        python = python_env(self.args).interpreter
-        host = self.hosts[worker]
-        if code == -1:
-            return f"host {host}: the SSH connection closed before the agent reported. {said}".strip()
-        hint = ""
-        if code == 127:
-            hint = (f" The interpreter {python} is missing on that host; give one that has tpudist with "
-                    "--python PATH or --venv PATH.")
-        elif "No module named" in said and "tpudist" in said:
-            hint = f" tpudist is not installed for {python} on that host; install it there or pass --python/--venv."
-        return f"host {host}: the agent exited with status {code} before registering.{hint}\n    {said}"
-
-    def _warn_version_skew(self) -> None:
-        by_package: dict[str, dict[str, list[int]]] = {}
-        for worker, req in self.registered.items():
-            names = set(req.versions) | {"jax", "torch", "tpudist"}
-            for name in names:
-                by_package.setdefault(name, {}).setdefault(req.versions.get(name, "missing"), []).append(worker)
-        for name, seen in sorted(by_package.items()):
-            if len(seen) > 1:
-                detail = "; ".join(f"{v} on {', '.join(self.hosts[w].address for w in sorted(ws)[:4])}"
-                                   + (f" (+{len(ws) - 4} more)" if len(ws) > 4 else "")
-                                   for v, ws in sorted(seen.items()))
-                self._print(f"tpudist: warning: {name} versions differ across hosts: {detail}")
+    def _dead_agents(self) -> list[AgentHandle]:
+        return [a for w, a in sorted(self.agents.items()) if w not in self.sessions and not a.alive()]
 
     def _show_status(self) -> None:
+        attempt = self.attempt
         self.status.update(hosts=len(self.hosts), connected=self.connected, registered=len(self.sessions),
-                           running=sum(1 for s in self.states if s.pid and not s.done),
-                           processes=self.nprocs, attempt=self.attempt)
+                           running=attempt.running() if attempt else 0, processes=self.nprocs,
+                           attempt=self.restarts.used)
 
     def _print(self, text: str) -> None:
         self.status.stop()
@@ -376,36 +337,41 @@ class Supervisor:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
-    @contextlib.contextmanager
-    def _signal_handlers(self):
-        def on_signal(signum, frame) -> None:
-            self.interrupts.append(signum)
-            self.events.put(("interrupt", -1, signum))
 
-        def forward(signum, frame) -> None:  # e.g. a checkpoint request for every process
-            self.events.put(("forward", -1, signum))
+@contextlib.contextmanager
+def _signal_handlers(interrupts: list[int], events: queue.SimpleQueue):
+    """SIGINT/SIGTERM recorded in `interrupts` (and an Interrupt event to wake the loop); SIGUSR1/2
+    queued to be passed on to the job. The previous handlers come back afterwards."""
+    def on_signal(signum, frame) -> None:
+        interrupts.append(signum)
+        events.put(Interrupt(signum))
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        previous.update({s: signal.signal(s, forward) for s in FORWARDED_SIGNALS})
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    def forward(signum, frame) -> None:  # e.g. a checkpoint request for every process
+        events.put(ForwardSignal(signum))
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous.update({s: signal.signal(s, forward) for s in FORWARDED_SIGNALS})
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-class _Promise:
-    """A value one thread sets and others wait for (the control server's port)."""
+def _exit_of(e: pb.Exited) -> Exit:
+    return Exit(code=e.exit_code, signal=e.signal or None, run_s=e.run_s, tail=tuple(e.tail), error=e.error)
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._value = 0
 
-    def set(self, value: int) -> None:
-        self._value = value
-        self._event.set()
+def _port_of(port: concurrent.futures.Future) -> int:
+    try:
+        return port.result(timeout=SERVER_START_S)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError("the control server did not start") from None
 
-    def get(self, timeout_s: float = 30.0) -> int:
-        if not self._event.wait(timeout_s):
-            raise TimeoutError("the control server did not start")
-        return self._value
+
+def _bootstrap_for(token: str):
+    """`open_agents`' make_bootstrap: each agent's line, once the port it dials is known."""
+    def make(worker: int, host, die_with_parent: bool):
+        return lambda port: Bootstrap(worker=worker, host=host.address, port=port, token=token,
+                                      die_with_parent=die_with_parent).encode()
+    return make

@@ -1,14 +1,14 @@
-"""The launcher's side of the control plane: a gRPC server on 127.0.0.1 for the job's agents.
+"""The launcher's end of the control plane: a gRPC server on 127.0.0.1 for the job's agents.
 
 Agents reach it through a remote port forward of their SSH connection (or directly with --local), so
 it never listens on a public interface. A server interceptor rejects every call that does not carry
 the job's random token (UNAUTHENTICATED). The server runs on its own asyncio thread and turns what
-agents send into `(kind, worker, payload)` items on a thread-safe queue that the supervisor drains:
+agents send into typed events on a thread-safe queue that the supervisor drains:
 
-    ("registered", worker, RegisterRequest)   an agent started and reported its versions
-    ("session", worker, None)                 its Session stream is open: it can take a Start
-    ("message", worker, AgentMessage)         Started / Exited / Logs / Heartbeat
-    ("lost", worker, reason)                  its Session stream ended
+    Registered(worker, request)      an agent started and reported its versions (worker 0: free ports)
+    SessionOpened(worker)            its Session stream is open: it can take a Start
+    AgentReport(worker, message)     Started / Exited / Logs / Heartbeat
+    SessionLost(worker, reason)      its Session stream ended
 
     server = ControlServer(token, events)
     port = server.start()
@@ -19,16 +19,51 @@ agents send into `(kind, worker, payload)` items on a thread-safe queue that the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import queue
 import threading
 
 import grpc
 
-from tpudist.launch import control_pb2 as pb
-from tpudist.launch import control_pb2_grpc as pb_grpc
+from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA
+from tpudist.launch.control import control_pb2 as pb
+from tpudist.launch.control import control_pb2_grpc as pb_grpc
 
-TOKEN_METADATA = "tpudist-token"
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """An agent called Register: it runs, and reports its versions (worker 0 also free ports)."""
+
+    worker: int
+    request: pb.RegisterRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionOpened:
+    """An agent's Session stream is open: it can take a Start."""
+
+    worker: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentReport:
+    """A message on an agent's Session stream: Started, Exited, Logs or Heartbeat."""
+
+    worker: int
+    message: pb.AgentMessage
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionLost:
+    """An agent's Session stream ended (the agent exited, or its connection broke)."""
+
+    worker: int
+    reason: str
+
+
+ControlEvent = Registered | SessionOpened | AgentReport | SessionLost
+
 _REJECTED = "missing or wrong job token (metadata 'tpudist-token'); only this job's agents may call"
 
 
@@ -65,7 +100,7 @@ class _Servicer(pb_grpc.ControlServicer):
         self.server = server
 
     async def Register(self, request, context):
-        self.server.events.put(("registered", request.worker, request))
+        self.server.events.put(Registered(request.worker, request))
         return pb.RegisterReply(job_id=self.server.job_id)
 
     async def Session(self, request_iterator, context):
@@ -76,17 +111,17 @@ class _Servicer(pb_grpc.ControlServicer):
         outbox: asyncio.Queue = asyncio.Queue()
         self.server.outboxes[worker] = outbox
         events = self.server.events
-        events.put(("session", worker, None))
+        events.put(SessionOpened(worker))
 
         async def read() -> None:
             reason = "the agent closed its control stream"
             try:
                 while (msg := await context.read()) is not grpc.aio.EOF:
-                    events.put(("message", worker, msg))
+                    events.put(AgentReport(worker, msg))
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 reason = f"control stream broken ({getattr(e, 'code', lambda: 'cancelled')()})"
             finally:
-                events.put(("lost", worker, reason))
+                events.put(SessionLost(worker, reason))
                 outbox.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
@@ -102,7 +137,7 @@ class _Servicer(pb_grpc.ControlServicer):
 class ControlServer:
     """The gRPC server, on 127.0.0.1 and an asyncio thread of its own."""
 
-    def __init__(self, token: str, events: "queue.Queue", job_id: str = "") -> None:
+    def __init__(self, token: str, events: "queue.SimpleQueue[ControlEvent]", job_id: str = "") -> None:
         self.token, self.events, self.job_id = token, events, job_id
         self.outboxes: dict[int, asyncio.Queue] = {}
         self.rejected = 0
@@ -121,9 +156,7 @@ class ControlServer:
             options=[("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
                      ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-                     ("grpc.http2.max_ping_strikes", 0),
-                     ("grpc.max_receive_message_length", 64 << 20),
-                     ("grpc.max_send_message_length", 64 << 20)])
+                     ("grpc.http2.max_ping_strikes", 0), *MESSAGE_SIZE_OPTIONS])
         pb_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()

@@ -2,29 +2,29 @@
 
 The only shell string ever run on a host is the fixed agent command,
 `exec '<python>' -m tpudist.launch.agent`, with the interpreter path shell-quoted. Everything else
-(the control port, the job token, later the processes' argv and env) travels as data: a base64 JSON
-line on the agent's stdin, then the gRPC control plane.
+(the control port, the job token, later the processes' argv and env) travels as data: the bootstrap
+line on the agent's stdin (`tpudist.launch.control.Bootstrap`), then the gRPC control plane.
 
 `open_agents` returns one result per worker, an `AgentHandle` or the exception that host raised:
 partial failure is data, and the caller decides (the supervisor closes everything and names the hosts).
 
     results = open_agents(cluster, python="/usr/bin/python3", make_bootstrap=bootstrap,
-                          control_port=lambda: server_port, ssh_options=SshOptions(), fanout=64)
+                          control_port=lambda: server_port, ssh_options=SshOptions(fanout=64))
     failed = {w: r for w, r in results.items() if isinstance(r, Exception)}
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import json
 import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from tpudist.launch._cluster import Cluster, Host
+from tpudist.launch.config import SshOptions
+from tpudist.launch.plan import coordinator_host
+from tpudist.launch.clusters import Cluster, Host
 
 AGENT_MODULE = "tpudist.launch.agent"
 
@@ -34,9 +34,13 @@ def agent_command(python: str) -> str:
     return f"exec {shlex.quote(python)} -m {AGENT_MODULE}"
 
 
-def bootstrap_line(*, worker: int, host: str, port: int, token: str, die_with_parent: bool) -> bytes:
-    payload = {"worker": worker, "host": host, "port": port, "token": token, "die_with_parent": die_with_parent}
-    return base64.b64encode(json.dumps(payload).encode()) + b"\n"
+def reach_address(cluster: Cluster, ssh: SshOptions) -> str:
+    """The address of rank 0's host for every process: internal IP, else ~/.ssh/config's HostName."""
+    if cluster.local or cluster.hosts[0].internal_ip:
+        return coordinator_host(cluster)
+    from tpudist.launch import _ssh
+
+    return coordinator_host(cluster, _ssh.resolve(cluster.hosts[0], ssh, ssh.config()).hostname)
 
 
 class AgentHandle:
@@ -53,6 +57,20 @@ class AgentHandle:
 
     def alive(self) -> bool:
         return self.exit_status() is None
+
+    def describe_failure(self, python: str) -> str:
+        """Why this agent ended before registering, naming the host and the fix."""
+        code = self.exit_status()
+        said = self.stderr_text()
+        if code == -1:
+            return f"host {self.host}: the SSH connection closed before the agent reported. {said}".strip()
+        hint = ""
+        if code == 127:
+            hint = (f" The interpreter {python} is missing on that host; give one that has tpudist with "
+                    "--python PATH or --venv PATH.")
+        elif "No module named" in said and "tpudist" in said:
+            hint = f" tpudist is not installed for {python} on that host; install it there or pass --python/--venv."
+        return f"host {self.host}: the agent exited with status {code} before registering.{hint}\n    {said}"
 
     def close(self) -> None:
         """Closes the agent's stdin and connection; an agent still running then stops by itself."""
@@ -154,11 +172,21 @@ class SshAgent(AgentHandle):
         self.client.close()
 
 
+def close_agents(agents: Iterable[AgentHandle], timeout_s: float) -> None:
+    """Closes every agent at once (each stops its processes by itself); waits at most `timeout_s`."""
+    closers = [threading.Thread(target=a.close, daemon=True) for a in agents]
+    for t in closers:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in closers:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int, Host, bool], Callable],
-                control_port: Callable[[], int], ssh_options=None, fanout: int = 64,
+                control_port: Callable[[], int], ssh_options: SshOptions | None = None,
                 on_connected: Callable[[int], None] = lambda w: None,
                 poll: Callable[[], bool] = lambda: False) -> dict[int, AgentHandle | Exception]:
-    """Starts one agent per host, at most `fanout` SSH handshakes at once.
+    """Starts one agent per host, at most `ssh_options.fanout` SSH handshakes at once.
 
     `poll()` is called from the calling thread every 0.2 s; returning True cancels the hosts still
     connecting. `on_connected(worker)` is called from a connecting thread.
@@ -174,7 +202,8 @@ def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int,
 
     from tpudist.launch import _ssh
 
-    opts = ssh_options or _ssh.SshOptions()
+    opts = ssh_options or SshOptions()
+    fanout = opts.fanout
     config = opts.config()
     clients: dict[int, object] = {}
     lock = threading.Lock()

@@ -8,7 +8,7 @@ import of a named module goes through the import system as usual (its parent pac
 module bound in `sys.modules` and on its parent) but creates the module without running its code;
 the first attribute read on it (other than `__spec__`, `__name__`, `__class__`) runs that code in
 the same module object, so code that does use it gets the whole module. Only the agent's own
-process does this (`python -m tpudist.launch.agent`); measured in docs/launcher.md.
+process does this (`python -m tpudist.launch.agent`, its `__main__`); measured in docs/launcher.md.
 
 A module already imported is left alone; one that does not exist fails to import as usual.
 """

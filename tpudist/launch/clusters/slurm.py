@@ -21,14 +21,14 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import re
 import socket
 from collections.abc import Mapping
 
-from tpudist.launch._cluster import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.config import ClusterOptions
+from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
 
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_NODELIST = "SLURM_NODELIST"  # the pre-2.x name, still set
@@ -110,9 +110,9 @@ def expand_tasks_per_node(text: str, nodes: int) -> list[int]:
     return counts
 
 
-def _explicit_flag(args: argparse.Namespace) -> str | None:
+def _explicit_flag(options: ClusterOptions) -> str | None:
     for flag in ("hosts", "hostfile", "tpu", "local"):
-        if getattr(args, flag, None):
+        if getattr(options, flag):
             return f"--{flag}"
     return None
 
@@ -124,13 +124,13 @@ class SlurmSource(ClusterSource):
     priority = 60  # after every explicit flag's source: the environment is only a default
 
     @classmethod
-    def applies(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Verdict:
+    def applies(cls, options: ClusterOptions, environ: Mapping[str, str] | None = None) -> Verdict:
         env = os.environ if environ is None else environ
         nodelist = env.get(SLURM_JOB_NODELIST) or env.get(SLURM_NODELIST)
         if not nodelist:
             return Verdict(False, f"{SLURM_JOB_NODELIST} is not set (not inside a SLURM "
                                   "allocation)")
-        flag = _explicit_flag(args)
+        flag = _explicit_flag(options)
         if flag:
             return Verdict(False, f"{flag} given; explicit flags win over the SLURM allocation "
                                   f"{nodelist}")
@@ -138,7 +138,7 @@ class SlurmSource(ClusterSource):
         return Verdict(True, f"inside SLURM job {job or '(no id)'} on {nodelist}")
 
     @classmethod
-    def resolve(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Cluster:
+    def resolve(cls, options: ClusterOptions, environ: Mapping[str, str] | None = None) -> Cluster:
         env = os.environ if environ is None else environ
         nodelist = env.get(SLURM_JOB_NODELIST) or env.get(SLURM_NODELIST)
         if not nodelist:

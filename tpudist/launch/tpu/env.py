@@ -3,7 +3,8 @@
 libtpu (under JAX or torch_xla) on each worker must see the same picture of the slice, and each
 process its own place in it. This module computes that picture from a resolved `Cluster` (hosts in
 worker order, accelerator type, topology, and the metadata server's `tpu-env` when the launcher
-runs on a TPU VM) and the table in `topology.py`. Values from `tpu-env` win over the table.
+runs on a TPU VM) and the table in `topology.py` next to this module. Values from `tpu-env` win
+over the table.
 
 Two modes:
 
@@ -32,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpudist.launch._cluster import Cluster, Host
-from tpudist.launch.topology import SliceTopology, bounds_str, from_bounds, slice_topology
+from tpudist.launch.clusters import Cluster, Host
+from tpudist.launch.tpu.topology import SliceTopology, bounds_str, from_bounds, slice_topology
 
 # --- Google's TPU runtime variables ------------------------------------------------------------
 TPU_WORKER_ID = "TPU_WORKER_ID"  # this worker's index in the slice

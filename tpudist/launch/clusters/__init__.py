@@ -1,20 +1,24 @@
-"""Cluster sources: where the hosts of a job come from.
+"""Cluster sources: where the hosts of a job come from. The registry, and the types every source uses.
 
 A cluster source is a small stateless class that registers itself by subclassing `ClusterSource`.
-The launcher asks each registered source, in `priority` order, whether it applies to the command
-line (`applies`), and the first that does resolves the hosts (`resolve`). Every source can say why
-it does not apply, which `tpudist doctor` and `--verbose` print.
+The launcher asks each registered source, in `priority` order, whether it applies to the launch's
+`ClusterOptions` (`applies`), and the first that does resolves the hosts (`resolve`). Every source
+says why it does or does not apply, which `tpudist doctor` and `--verbose` print.
 
-Adding a source is one class in one module under `tpudist/launch/`, listed in `SOURCE_MODULES`
-so that it is imported (and registers) the first time the sources are asked for.
+    cluster = resolve_cluster(ClusterOptions(hosts="10.0.0.2,10.0.0.3"))
+    assert [h.address for h in cluster.hosts] == ["10.0.0.2", "10.0.0.3"]
+
+Adding a source is one class in one module of this package, listed in `SOURCE_MODULES` so that it
+is imported (and registers) the first time the sources are asked for.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 from typing import ClassVar
+
+from tpudist.launch.config import ClusterOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,40 +72,46 @@ class ClusterSource:
         ClusterSource.registry[cls.name] = cls
 
     @classmethod
-    def applies(cls, args: argparse.Namespace) -> Verdict:
-        """Whether this source should resolve the hosts for these launcher arguments, and why."""
+    def applies(cls, options: ClusterOptions) -> Verdict:
+        """Whether this source should resolve the hosts for these options, and why."""
         raise NotImplementedError
 
     @classmethod
-    def resolve(cls, args: argparse.Namespace) -> Cluster:
+    def resolve(cls, options: ClusterOptions) -> Cluster:
         """The hosts in worker order. Raises ValueError with the fix on bad input."""
         raise NotImplementedError
 
 
-SOURCE_MODULES = ("tpudist.launch.sources_basic", "tpudist.launch.sources_tpu", "tpudist.launch.sources_slurm")
-
-
-def _load_sources() -> None:
-    for module in SOURCE_MODULES:
-        importlib.import_module(module)
+SOURCE_MODULES = tuple(f"tpudist.launch.clusters.{name}"
+                       for name in ("local", "hosts", "hostfile", "tpu_metadata", "gcloud", "slurm"))
 
 
 def sources() -> list[type[ClusterSource]]:
     """Registered sources in the order they are asked."""
-    _load_sources()
+    for module in SOURCE_MODULES:
+        importlib.import_module(module)
     return sorted(ClusterSource.registry.values(), key=lambda s: (s.priority, s.name))
 
 
-def verdicts(args: argparse.Namespace) -> list[tuple[str, Verdict]]:
+def verdicts(options: ClusterOptions) -> list[tuple[str, Verdict]]:
     """Every source's verdict, for `tpudist doctor` and --verbose."""
-    return [(source.name, source.applies(args)) for source in sources()]
+    return [(source.name, source.applies(options)) for source in sources()]
 
 
-def resolve_cluster(args: argparse.Namespace) -> Cluster:
+def resolve_cluster(options: ClusterOptions) -> Cluster:
     """The first applicable source's cluster."""
     for source in sources():
-        if source.applies(args).applies:
-            return source.resolve(args)
-    lines = "\n".join(f"  {name}: {v.reason}" for name, v in verdicts(args))
+        if source.applies(options).applies:
+            return source.resolve(options)
+    lines = "\n".join(f"  {name}: {v.reason}" for name, v in verdicts(options))
     raise ValueError(f"no cluster source applies to this command line:\n{lines}\n"
                      "Pass --local, --hosts, --hostfile or --tpu.")
+
+
+def choose_cluster(options: ClusterOptions) -> Cluster:
+    """An explicit --local wins; otherwise the first source that applies (local when none does)."""
+    if options.local:
+        from tpudist.launch.clusters.local import LocalSource
+
+        return LocalSource.resolve(options)
+    return resolve_cluster(options)

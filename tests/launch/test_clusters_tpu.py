@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import json
 import os
@@ -27,10 +26,11 @@ import time
 
 import pytest
 
-from tpudist.launch._cluster import resolve_cluster
-from tpudist.launch.sources_tpu import (GcloudSource, TpuMetadataSource, parse_tpu_env,
-                                        parse_worker_endpoints)
-from tpudist.launch.tpu_env import tpu_process_env
+from tpudist.launch.clusters import resolve_cluster
+from tpudist.launch.clusters.gcloud import GcloudSource
+from tpudist.launch.clusters.tpu_metadata import TpuMetadataSource, parse_tpu_env, parse_worker_endpoints
+from tpudist.launch.config import ClusterOptions
+from tpudist.launch.tpu import tpu_process_env
 
 V4_16_METADATA = {
     "accelerator-type": "v4-16",
@@ -50,10 +50,7 @@ V4_16_METADATA = {
 
 
 def _args(**kw):
-    base = dict(tpu=None, zone=None, project=None, nproc_per_host=None, hosts=None, hostfile=None,
-                local=False)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    return ClusterOptions(**kw)
 
 
 class _MetadataStandIn(http.server.BaseHTTPRequestHandler):
@@ -355,7 +352,7 @@ def test_gcloud_failure_quotes_gclouds_message(gcloud):
 
 
 def test_gcloud_that_hangs_is_stopped_at_the_deadline(gcloud, monkeypatch):
-    monkeypatch.setattr("tpudist.launch.sources_tpu.GCLOUD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("tpudist.launch.clusters.gcloud.GCLOUD_TIMEOUT_S", 1.0)
     gcloud.behaviour["sleep"] = 60
     gcloud.write()
     start = time.monotonic()

@@ -1,20 +1,15 @@
-"""The per-host agent: `python -m tpudist.launch.agent`, started by the launcher on every host.
+"""The agent: registers with the launcher, runs its commands, and never outlives it.
 
-The launcher writes one bootstrap line to the agent's stdin (base64 JSON: control port, job token,
-worker index), so nothing secret or user-given is on a command line. The agent then registers over
-the gRPC control plane, opens its `Session` stream and runs what the launcher sends (Start, Signal,
-Stop, Shutdown), reporting Started / Exited / log lines back.
-
-The agent never outlives its launcher: stdin reaching EOF (the SSH session or the launcher's pipe
-closed), the control stream breaking (gRPC keepalive), SIGTERM, or the parent dying
-(PR_SET_PDEATHSIG) all stop this host's processes (SIGTERM, then SIGKILL) and end the agent.
+Started as `python -m tpudist.launch.agent` (`__main__.py`). The agent never outlives its launcher:
+stdin reaching EOF (the SSH session or the launcher's pipe closed), the control stream breaking
+(gRPC keepalive), SIGTERM, or the parent dying (PR_SET_PDEATHSIG) all stop this host's processes
+and everything they started (SIGTERM, then SIGKILL) and end the agent. The agent is a child
+subreaper, so daemons its processes start (fork, setsid, fork) stay its descendants and are
+stopped with them (`_processes.py`).
 """
 
 from __future__ import annotations
 
-import base64
-import ctypes
-import json
 import os
 import queue
 import select
@@ -24,18 +19,14 @@ import sys
 import threading
 import time
 
-if __name__ == "__main__":  # the agent's own process: what grpc and protobuf import but it never uses
-    from tpudist.launch import _deferred
-    _deferred.defer(_deferred.AGENT_MODULES)
+import grpc
 
-import grpc  # noqa: E402
+from tpudist import _proc
+from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
+from tpudist.launch.control import control_pb2 as pb
+from tpudist.launch.control import control_pb2_grpc as pb_grpc
+from tpudist.launch.agent._processes import ProcessSet
 
-from tpudist.launch import control_pb2 as pb  # noqa: E402
-from tpudist.launch import control_pb2_grpc as pb_grpc  # noqa: E402
-from tpudist.launch._processes import ProcessSet  # noqa: E402
-from tpudist.launch._ports import free_ports  # noqa: E402
-
-TOKEN_METADATA = "tpudist-token"
 HEARTBEAT_S = 2.0
 # A silently dead launcher (network gone, no stdin EOF, no SIGTERM from the kernel) is noticed within
 # KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS.
@@ -47,7 +38,7 @@ _CLOSE = object()
 _MAX_BATCH = 512
 
 
-def read_bootstrap(fd: int, timeout_s: float = 30.0) -> dict:
+def read_bootstrap(fd: int, timeout_s: float = 30.0) -> Bootstrap:
     """Reads the launcher's first stdin line without reading past it (the rest is watched for EOF)."""
     data = b""
     end = time.monotonic() + timeout_s
@@ -58,7 +49,7 @@ def read_bootstrap(fd: int, timeout_s: float = 30.0) -> dict:
         if not chunk:
             raise EOFError("the launcher closed stdin before sending the bootstrap line")
         data += chunk
-    return json.loads(base64.b64decode(data))
+    return Bootstrap.decode(data)
 
 
 def versions() -> dict[str, str]:
@@ -91,25 +82,17 @@ def versions() -> dict[str, str]:
     return found
 
 
-def die_with_parent() -> None:
-    """Ask Linux for SIGTERM when the parent (sshd's session, or the launcher) dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: stdin EOF and the stream's keepalive still stop the agent
-
-
 class Agent:
-    def __init__(self, boot: dict) -> None:
-        self.worker: int = boot["worker"]
-        self.host: str = boot["host"]
-        self.port: int = boot["port"]
-        self.metadata = ((TOKEN_METADATA, boot["token"]),)
+    """One host's agent: the control stream to the launcher, and this host's `ProcessSet`."""
+
+    def __init__(self, boot: Bootstrap) -> None:
+        self.worker, self.host, self.port = boot.worker, boot.host, boot.port
+        self.metadata = ((TOKEN_METADATA, boot.token),)
         self.outbound: queue.Queue = queue.Queue()
         self.procs = ProcessSet(self.worker, self.outbound.put)
         self.done = threading.Event()
         self.reason = ""
+        self.child_ended = False  # SIGCHLD: an orphan re-parented to this agent may need reaping
 
     def finish(self, reason: str) -> None:
         if not self.done.is_set():
@@ -121,19 +104,21 @@ class Agent:
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
             ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+            *MESSAGE_SIZE_OPTIONS])
         try:
             stub = pb_grpc.ControlStub(channel)
             # Register and open the Session together: one round trip through the tunnel, not two.
             registered = stub.Register.future(pb.RegisterRequest(
                 worker=self.worker, host=self.host, hostname=socket.gethostname(), versions=versions(),
-                free_ports=free_ports(2) if self.worker == 0 else [], pid=os.getpid()),
+                free_ports=_proc.free_ports(2) if self.worker == 0 else [], pid=os.getpid()),
                 metadata=self.metadata, timeout=30, wait_for_ready=True)
             responses = stub.Session(self._requests(), metadata=self.metadata, wait_for_ready=True)
             threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
             registered.result()
             while not self.done.wait(0.5):  # the main thread stays free for signal handlers
-                pass
+                if self.child_ended:
+                    self.child_ended = False
+                    self.procs.reap()
         finally:
             self._teardown()
             self.outbound.put(_CLOSE)
@@ -193,10 +178,7 @@ class Agent:
             return pb.AgentMessage(worker=self.worker, heartbeat=pb.Heartbeat())
 
     def _teardown(self) -> None:
-        if self.procs.running():
-            self.procs.stop(ORPHAN_GRACE_S)
-        self.procs.wait(ORPHAN_GRACE_S + 2.0)
-        self.procs.kill_groups()  # leftovers the processes started in their groups
+        self.procs.end(ORPHAN_GRACE_S)  # every process and descendant: SIGTERM, grace, SIGKILL
         if self.reason != "shutdown":
             try:
                 print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
@@ -207,18 +189,21 @@ class Agent:
 
 def main() -> int:
     boot = read_bootstrap(0)
-    if boot.get("die_with_parent"):
-        die_with_parent()
+    if boot.die_with_parent:
+        _proc.set_parent_death_signal(signal.SIGTERM)  # sshd's session, or the launcher
         if os.getppid() == 1:  # the parent died before the request took effect
             return 1
+    _proc.become_subreaper()
     agent = Agent(boot)
+    signal.signal(signal.SIGCHLD, lambda *_: setattr(agent, "child_ended", True))
     signal.signal(signal.SIGTERM, lambda *_: agent.finish("SIGTERM"))
     signal.signal(signal.SIGHUP, lambda *_: agent.finish("SIGHUP"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the launcher, which stops us
     return agent.run()
 
 
-if __name__ == "__main__":
+def run_main() -> None:
+    """Runs the agent and ends its process."""
     code = main()
     sys.stderr.flush()
     os._exit(code)  # the processes are stopped and the channel closed: skip the interpreter's teardown

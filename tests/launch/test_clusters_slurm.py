@@ -8,19 +8,16 @@ No SLURM controller runs here; the source reads only environment variables, whic
 
 from __future__ import annotations
 
-import argparse
 import socket
 
 import pytest
 
-from tpudist.launch.sources_slurm import SlurmSource, expand_nodelist, expand_tasks_per_node
+from tpudist.launch.clusters.slurm import SlurmSource, expand_nodelist, expand_tasks_per_node
+from tpudist.launch.config import ClusterOptions
 
 
 def _args(**kw):
-    base = dict(tpu=None, zone=None, project=None, nproc_per_host=None, hosts=None, hostfile=None,
-                local=False)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    return ClusterOptions(**kw)
 
 
 @pytest.mark.parametrize("text, hosts", [

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from tpudist.launch import control_pb2 as tpudist_dot_launch_dot_control__pb2
+from tpudist.launch.control import control_pb2 as tpudist_dot_launch_dot_control_dot_control__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in tpudist/launch/control_pb2_grpc.py depends on'
+        + ' but the generated code in tpudist/launch/control/control_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class ControlStub:
         """
         self.Register = channel.unary_unary(
                 '/tpudist.launch.Control/Register',
-                request_serializer=tpudist_dot_launch_dot_control__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=tpudist_dot_launch_dot_control__pb2.RegisterReply.FromString,
+                request_serializer=tpudist_dot_launch_dot_control_dot_control__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=tpudist_dot_launch_dot_control_dot_control__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/tpudist.launch.Control/Session',
-                request_serializer=tpudist_dot_launch_dot_control__pb2.AgentMessage.SerializeToString,
-                response_deserializer=tpudist_dot_launch_dot_control__pb2.LauncherMessage.FromString,
+                request_serializer=tpudist_dot_launch_dot_control_dot_control__pb2.AgentMessage.SerializeToString,
+                response_deserializer=tpudist_dot_launch_dot_control_dot_control__pb2.LauncherMessage.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=tpudist_dot_launch_dot_control__pb2.RegisterRequest.FromString,
-                    response_serializer=tpudist_dot_launch_dot_control__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=tpudist_dot_launch_dot_control_dot_control__pb2.RegisterRequest.FromString,
+                    response_serializer=tpudist_dot_launch_dot_control_dot_control__pb2.RegisterReply.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=tpudist_dot_launch_dot_control__pb2.AgentMessage.FromString,
-                    response_serializer=tpudist_dot_launch_dot_control__pb2.LauncherMessage.SerializeToString,
+                    request_deserializer=tpudist_dot_launch_dot_control_dot_control__pb2.AgentMessage.FromString,
+                    response_serializer=tpudist_dot_launch_dot_control_dot_control__pb2.LauncherMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Control:
             request,
             target,
             '/tpudist.launch.Control/Register',
-            tpudist_dot_launch_dot_control__pb2.RegisterRequest.SerializeToString,
-            tpudist_dot_launch_dot_control__pb2.RegisterReply.FromString,
+            tpudist_dot_launch_dot_control_dot_control__pb2.RegisterRequest.SerializeToString,
+            tpudist_dot_launch_dot_control_dot_control__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Control:
             request_iterator,
             target,
             '/tpudist.launch.Control/Session',
-            tpudist_dot_launch_dot_control__pb2.AgentMessage.SerializeToString,
-            tpudist_dot_launch_dot_control__pb2.LauncherMessage.FromString,
+            tpudist_dot_launch_dot_control_dot_control__pb2.AgentMessage.SerializeToString,
+            tpudist_dot_launch_dot_control_dot_control__pb2.LauncherMessage.FromString,
             options,
             channel_credentials,
             insecure,

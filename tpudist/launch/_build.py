@@ -1,0 +1,43 @@
+"""The steps `python -m tpudist.xla_dist` takes before supervising: build the cluster, or a dry run.
+
+    config = parse_args(["--hosts", "a,b", "--", "python", "train.py"])
+    cluster = build(config)         # resolves the hosts and checks the whole plan once
+    dry_run(config, cluster)        # prints {"processes": [...]} and starts nothing
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tpudist import _proc
+from tpudist.launch.config import LaunchConfig
+from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json
+from tpudist.launch.clusters import Cluster, choose_cluster, verdicts
+
+
+def build(config: LaunchConfig) -> Cluster:
+    """Resolves the cluster and builds the plan once, so bad input fails before any host is touched."""
+    verbose = config.output.verbose
+    if verbose:
+        for name, verdict in verdicts(config.cluster):
+            print(f"tpudist: source {name}: {'yes' if verdict.applies else 'no'}: {verdict.reason}",
+                  file=sys.stderr)
+    cluster = choose_cluster(config.cluster)
+    plan = build_plan(config.procs, cluster, Ports(1, 2), job_id="check")
+    ranks = config.output.ranks
+    if ranks and max(ranks) >= len(plan):
+        raise ValueError(f"--ranks-filter {config.output.ranks_text}: the job has ranks 0..{len(plan) - 1}")
+    if verbose:
+        print(f"tpudist: {cluster.source}: {len(cluster.hosts)} hosts, {len(plan)} processes", file=sys.stderr)
+    return cluster
+
+
+def dry_run(config: LaunchConfig, cluster: Cluster) -> int:
+    """Prints the plan as JSON. Automatic ports are probed here; at start they are probed on rank 0's host."""
+    from tpudist.launch._transport import reach_address
+
+    plan = build_plan(config.procs, cluster, choose_ports(config.job, _proc.free_ports(2)), job_id="dry-run",
+                      coordinator=reach_address(cluster, config.ssh), stop_grace=config.job.stop_grace)
+    sys.stdout.buffer.write(plan_json(plan).encode("utf-8", "surrogateescape") + b"\n")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,364 @@
+"""The agent's side of a job: one host's processes, their output, their exits, and their leftovers.
+
+Each process runs in its own session (so its own process group). The agent is a child subreaper
+(`_proc.become_subreaper`), so whatever a process starts stays the agent's descendant even after
+it leaves the group and session (a daemon): stopping the job (`stop`, `end`) signals every process
+group and every other descendant, SIGTERM, a grace period, SIGKILL. When one process ends, what it
+left behind, its group and the orphans that carry its RANK, is stopped the same way.
+
+Every stdout/stderr line becomes a `LogLine` event. An `Exited` event follows the process's last
+line, carrying its Python traceback (or last stderr lines) for the launcher's failure table; it
+waits for what the process itself wrote to be read, never for a descendant that still holds the
+pipes (`_Output`).
+
+    procs = ProcessSet(worker=0, emit=outbound.put)
+    procs.start(start_message)
+    procs.stop(grace_s=3.0)        # SIGTERM now, SIGKILL after 3 s, to every process and descendant
+    procs.end(grace_s=2.0)         # the same, waiting until nothing is left
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+from tpudist import _proc
+from tpudist.launch.control import control_pb2 as pb
+
+MAX_LINE = 1 << 20  # a line longer than this is passed on in pieces, to bound the agent's memory
+DRAIN_LIMIT_S = 1.0  # after an exit, at most this long to read what the process wrote (a flood)
+_TAIL_LINES = 64
+_READ_BYTES = 1 << 16
+_CONDA_PLACES = ("~/miniconda3/bin/conda", "~/anaconda3/bin/conda", "~/miniforge3/bin/conda",
+                 "~/mambaforge/bin/conda", "/opt/conda/bin/conda")
+# Runs argv inside a conda environment: $0 is conda, $1 the environment, the rest the command. The
+# user's argv are positional parameters, never part of the script text.
+_CONDA_SCRIPT = ('_tpudist_activate=$("$0" shell.posix activate "$1") || '
+                 '{ echo "tpudist: cannot activate conda environment $1 with $0" >&2; exit 127; }; '
+                 'eval "$_tpudist_activate"; shift; exec "$@"')
+
+
+def find_conda(env: dict[bytes, bytes]) -> str | None:
+    """The conda executable: $CONDA_EXE, `conda` on PATH, or a usual install place."""
+    exe = env.get(b"CONDA_EXE")
+    if exe and os.access(exe, os.X_OK):
+        return os.fsdecode(exe)
+    import shutil  # here: its imports (bz2, lzma) would cost every agent's start-up
+
+    found = shutil.which("conda", path=os.fsdecode(env.get(b"PATH", b"")))
+    if found:
+        return found
+    for place in _CONDA_PLACES:
+        path = os.path.expanduser(place)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def last_traceback(lines: list[bytes], limit: int = 30) -> list[bytes]:
+    """The last Python traceback among `lines` (through its final line), else the last few lines."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(b"Traceback (most recent call last)"):
+            return lines[i:][-limit:]
+    return lines[-10:]
+
+
+class _Output:
+    """One of a process's pipes: whole lines out as `LogLine`s, and `drained` once the process has
+    exited and everything it wrote has been read.
+
+    The pipe's write end may outlive the process (a child holds it): then EOF comes only when that
+    child ends, so after the exit the reader looks once more for data already in the pipe and
+    reports `drained` as soon as there is none, while it goes on passing on the child's lines."""
+
+    def __init__(self, fd: int, rank: int, stream: int, emit: Callable, exit_fd: int,
+                 tail: collections.deque | None) -> None:
+        self.fd, self.rank, self.stream, self.emit = fd, rank, stream, emit
+        self.exit_fd = exit_fd  # readable once the process has exited
+        self.tail = tail  # stderr keeps its last lines for the exit report
+        self.drained = threading.Event()
+        self._pending = bytearray()
+
+    def run(self) -> None:
+        exited = False
+        try:
+            while True:
+                if not exited:
+                    ready = select.select([self.fd, self.exit_fd], [], [])[0]
+                    exited = self.exit_fd in ready
+                    if exited and self.fd not in ready and not select.select([self.fd], [], [], 0)[0]:
+                        self._drain()
+                        continue
+                elif not self.drained.is_set() and not select.select([self.fd], [], [], 0)[0]:
+                    self._drain()
+                    continue
+                data = os.read(self.fd, _READ_BYTES)
+                if not data:
+                    break
+                self._lines(data)
+        except OSError:
+            pass
+        finally:
+            self._flush()
+            self.drained.set()
+            os.close(self.fd)
+
+    def _drain(self) -> None:
+        self._flush()  # the process's last line, even without its newline
+        self.drained.set()
+
+    def _lines(self, data: bytes) -> None:
+        pieces = data.split(b"\n")
+        self._pending += pieces[0]
+        for piece in pieces[1:]:  # each one follows a newline: the pending line is whole
+            self._flush(whole=True)
+            self._pending += piece
+        while len(self._pending) > MAX_LINE:  # a line without end yet: pass it on in pieces
+            self._line(bytes(self._pending[:MAX_LINE]))
+            del self._pending[:MAX_LINE]
+
+    def _flush(self, whole: bool = False) -> None:
+        """Passes the pending line on (in MAX_LINE pieces); an empty one only if it was a line."""
+        while len(self._pending) > MAX_LINE:
+            self._line(bytes(self._pending[:MAX_LINE]))
+            del self._pending[:MAX_LINE]
+        if self._pending or whole:
+            self._line(bytes(self._pending))
+        self._pending = bytearray()
+
+    def _line(self, line: bytes) -> None:
+        if self.tail is not None:
+            self.tail.append(line)
+        self.emit(pb.LogLine(rank=self.rank, stream=self.stream, data=line))
+
+
+class _Process:
+    def __init__(self, spec: pb.ProcessSpec, attempt: int, worker: int, emit: Callable,
+                 on_exit: Callable[["_Process"], None]) -> None:
+        self.spec, self.attempt, self.worker, self.emit = spec, attempt, worker, emit
+        self.on_exit = on_exit
+        self.popen: subprocess.Popen | None = None
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=_TAIL_LINES)
+        self.exited = threading.Event()
+        self.t0 = time.monotonic()
+
+    def environ(self) -> dict[bytes, bytes]:
+        env = dict(os.environb)
+        for var in self.spec.env:
+            env[var.name] = var.value
+        if self.spec.path_prepend:
+            env[b"PATH"] = b":".join([*self.spec.path_prepend, env.get(b"PATH", os.defpath.encode())])
+        return env
+
+    def start(self) -> None:
+        env = self.environ()
+        argv = list(self.spec.argv)
+        if self.spec.conda_env:
+            conda = find_conda(env)
+            if conda is None:
+                return self._failed(127, "conda not found ($CONDA_EXE, PATH, ~/miniconda3, ~/anaconda3, "
+                                         "/opt/conda); install it on this host or use --venv")
+            argv = [b"/bin/sh", b"-c", _CONDA_SCRIPT.encode(), os.fsencode(conda),
+                    self.spec.conda_env.encode(), *argv]
+        try:
+            self.popen = subprocess.Popen(
+                argv, env=env, cwd=self.spec.cwd or None, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except FileNotFoundError as e:
+            if self.spec.cwd and e.filename in (self.spec.cwd, os.fsdecode(self.spec.cwd)):
+                return self._failed(127, f"working directory not found: {os.fsdecode(self.spec.cwd)}")
+            return self._failed(127, f"command not found: {os.fsdecode(argv[0])}")
+        except OSError as e:
+            return self._failed(126, f"cannot start {os.fsdecode(argv[0])}: {e.strerror}")
+        self.t0 = time.monotonic()
+        self.emit(pb.AgentMessage(worker=self.worker, started=pb.Started(
+            rank=self.spec.rank, pid=self.popen.pid, attempt=self.attempt)))
+        exit_r, exit_w = os.pipe()
+        outputs = []
+        for pipe, stream, tail in ((self.popen.stdout, pb.STDOUT, None), (self.popen.stderr, pb.STDERR, self.tail)):
+            outputs.append(_Output(os.dup(pipe.fileno()), self.spec.rank, stream, self.emit, exit_r, tail))
+            pipe.close()
+        for output in outputs:
+            threading.Thread(target=output.run, daemon=True).start()
+        threading.Thread(target=self._wait, args=(outputs, exit_r, exit_w), daemon=True).start()
+
+    def _failed(self, code: int, error: str) -> None:
+        self.emit(pb.AgentMessage(worker=self.worker, exited=pb.Exited(
+            rank=self.spec.rank, exit_code=code, attempt=self.attempt, error=error)))
+        self.exited.set()
+
+    def _wait(self, outputs: list[_Output], exit_r: int, exit_w: int) -> None:
+        code = self.popen.wait()
+        run_s = time.monotonic() - self.t0
+        os.write(exit_w, b"x")  # wakes the readers: read what is left, then say so
+        # The process's last lines come before its exit event; a child holding the pipes does not
+        # hold that event back (a flood of its lines gets DRAIN_LIMIT_S).
+        end = time.monotonic() + DRAIN_LIMIT_S
+        for output in outputs:
+            output.drained.wait(max(0.0, end - time.monotonic()))
+        self.emit(pb.AgentMessage(worker=self.worker, exited=pb.Exited(
+            rank=self.spec.rank, exit_code=max(code, 0), signal=max(-code, 0), run_s=run_s,
+            tail=last_traceback(list(self.tail)), attempt=self.attempt)))
+        self.exited.set()
+        self.on_exit(self)
+        threading.Thread(target=_close_after, args=(outputs, exit_r, exit_w), daemon=True).start()
+
+    def signal_group(self, signum: int) -> None:
+        # Also after the leader exited: children left in its group must not outlive the job.
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def leftovers(self, table: dict, popen_pids: set[int]) -> list[int]:
+        """Live processes this one left behind: its group's members, and the orphans (re-parented
+        to the agent, a subreaper) whose environment carries its RANK and attempt, with their
+        descendants."""
+        if self.popen is None:
+            return []
+        found = [pid for pid, (_, pgid, state) in table.items() if pgid == self.popen.pid and state != "Z"]
+        from tpudist import contract  # here: its dataclasses import would cost every agent's start-up
+
+        me = os.getpid()
+        want = {contract.RANK.encode(): str(self.spec.rank).encode(),
+                contract.RESTART.encode(): str(self.attempt).encode()}
+        for pid, (ppid, _, state) in table.items():
+            if ppid == me and pid not in popen_pids and state != "Z" and _carries(pid, want):
+                found += [pid, *_proc.descendants(pid, table)]
+        return sorted(set(found))
+
+
+def _carries(pid: int, want: dict[bytes, bytes]) -> bool:
+    """Whether process `pid` started with these environment values (inherited from a rank)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0"))
+    except OSError:
+        return False
+    return all(env.get(k) == v for k, v in want.items())
+
+
+def _close_after(outputs: list[_Output], exit_r: int, exit_w: int) -> None:
+    """Closes the exit pipe once no reader looks at it again (a drained one never does)."""
+    os.close(exit_w)
+    for output in outputs:
+        output.drained.wait()
+    os.close(exit_r)
+
+
+class ProcessSet:
+    """The processes of one host for the current attempt, and everything they started."""
+
+    def __init__(self, worker: int, emit: Callable[[object], None]) -> None:
+        self.worker, self.emit = worker, emit
+        self.procs: list[_Process] = []
+        self.grace_s = 0.0  # the launcher's --stop-grace, from each Start
+        self._lock = threading.Lock()  # also keeps reaping away from a Popen being created
+        self._popen_pids: set[int] = set()  # running Popen children: Popen reaps them, never `reap`
+        self._kill_timer: threading.Timer | None = None
+
+    def start(self, start: pb.Start) -> None:
+        with self._lock:
+            previous = list(self.procs)
+        self._kill(previous)  # a restart: whatever is left of the previous attempt goes first
+        with self._lock:
+            self.grace_s = start.grace_s
+            self.procs = [_Process(spec, start.attempt, self.worker, self.emit, self._after_exit)
+                          for spec in start.processes]
+            for proc in self.procs:
+                proc.start()
+                if proc.popen is not None:
+                    self._popen_pids.add(proc.popen.pid)
+
+    def signal(self, signum: int) -> None:
+        with self._lock:
+            for proc in self.procs:
+                if not proc.exited.is_set():
+                    proc.signal_group(signum)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to every process group and descendant now, SIGKILL after `grace_s`; returns at once."""
+        with self._lock:
+            procs = list(self.procs)
+        self._signal(procs, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        if self._kill_timer is not None:
+            self._kill_timer.cancel()
+        self._kill_timer = threading.Timer(grace_s, self._kill, args=(procs,))
+        self._kill_timer.daemon = True
+        self._kill_timer.start()
+
+    def end(self, grace_s: float) -> None:
+        """Stops everything (as `stop`) and returns once no process or descendant is left, or it gave up."""
+        with self._lock:
+            procs = list(self.procs)
+        if self.running() or _proc.descendants(os.getpid()):
+            self._signal(procs, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+            deadline = time.monotonic() + grace_s
+            while (self.running() or _proc.descendants(os.getpid())) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                self.reap()
+        self._kill(procs)
+        self.wait(2.0)  # their exit reports, with their last lines
+
+    def _signal(self, procs: list[_Process], signum: int) -> None:
+        """`signum` to every process group, then to every other descendant of this agent."""
+        groups = set()
+        for proc in procs:
+            proc.signal_group(signum)
+            if proc.popen is not None:
+                groups.add(proc.popen.pid)
+        table = _proc.process_table()
+        _proc.send([pid for pid in _proc.descendants(os.getpid(), table) if table[pid][1] not in groups],
+                   signum)
+
+    def _kill(self, procs: list[_Process]) -> None:
+        """SIGKILL to every group and descendant until none is left (bounded), and reaps the orphans."""
+        end = time.monotonic() + 2.0
+        while _proc.descendants(os.getpid()) and time.monotonic() < end:
+            self._signal(procs, signal.SIGKILL)
+            time.sleep(0.01)
+            self.reap()
+        for proc in procs:
+            proc.signal_group(signal.SIGKILL)  # without a subreaper (not Linux) a group may hold others
+
+    def _after_exit(self, proc: _Process) -> None:
+        """One process ended: what it left behind gets SIGTERM, then SIGKILL after the grace period."""
+        with self._lock:
+            if proc.popen is not None:
+                self._popen_pids.discard(proc.popen.pid)  # Popen has reaped it
+            popen_pids = set(self._popen_pids)
+            grace = self.grace_s
+        if not proc.leftovers(_proc.process_table(), popen_pids):
+            return
+
+        def stop(signum: int) -> None:
+            _proc.send(proc.leftovers(_proc.process_table(), popen_pids), signum)
+            self.reap()
+
+        stop(signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        timer = threading.Timer(grace, stop, args=(signal.SIGKILL,))
+        timer.daemon = True
+        timer.start()
+
+    def reap(self) -> None:
+        """Collects orphans that ended (they were re-parented to the agent); never a Popen's own child."""
+        with self._lock:
+            _proc.reap_orphans(keep=self._popen_pids)
+
+    def wait(self, deadline_s: float) -> bool:
+        """Waits for every process to exit; False when some are still running at the deadline."""
+        end = time.monotonic() + deadline_s
+        with self._lock:
+            procs = list(self.procs)
+        return all(p.exited.wait(max(0.0, end - time.monotonic())) for p in procs)
+
+    def running(self) -> bool:
+        with self._lock:
+            return any(not p.exited.is_set() for p in self.procs)
