@@ -9,6 +9,14 @@ Single process, two comparisons per model and batch:
   eager vs `tpudist.compile(model)` (the optimizer update is left out of both);
 - a whole training step with SGD (momentum 0.9): eager `zero_grad / forward / backward /
   opt.step()` vs `tpudist.compile_train_step` (everything in one XLA executable).
+`--vs-jax` compares with the engine's own floor: the same models written by hand in JAX
+(`scripts/_jax_reference.py`: MLP 32-16-4 at batch 8, MLP 32-256-4 at batch 64, a transformer
+block, ResNet-18 with BatchNorm), jitted with parameters and optimizer state donated, SGD with
+momentum on both sides: the whole train step (eager torch, the fused step, jax.jit) and
+forward+backward (eager, `tpudist.compile`, jax.jit of value_and_grad); ratios fused/JAX and
+compiled/JAX. Each side's time is the median over `--repeats` runs of `--steps` steps (a run ends
+when its last result is ready), the sides interleaved run by run.
+
 `--hf` adds third-party models as users bring them, from `transformers` configs (random
 weights): ResNet-18 (`ResNetForImageClassification`, batch 4 x 3 x 64 x 64) and BERT-tiny (2 layers,
 hidden 128, sequence 128), each trained on its own loss (`model(**batch).loss`), the same two
@@ -43,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tpudist  # noqa: E402
 from torch_models import REFERENCES, WithLoss  # noqa: E402
@@ -141,6 +150,113 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
         "first_call_s": first_call, "fused_first_call_s": fused_first,
         "capture_s": compiled.stats.capture_seconds,
     }
+
+
+def _median_times(sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], steps: int,
+                  repeats: int) -> dict[str, float]:
+    """Median seconds per step of each side (step function, wait-for-its-result), over `repeats`
+    runs of `steps` steps; the sides alternate run by run."""
+    import statistics
+    runs: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, (step, wait) in sides.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = step()
+            wait(out)
+            runs[side].append((time.perf_counter() - start) / steps)
+    return {side: statistics.median(times) for side, times in runs.items()}
+
+
+def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, Any]:
+    """One `--vs-jax` row: the train step and forward+backward of `name`, eager torch vs tpudist vs
+    the same model written by hand in JAX."""
+    import jax
+    import numpy as np
+    import torch.nn.functional as F
+
+    import _jax_reference as jr
+    ref = jr.MODELS[name]
+    torch.manual_seed(0)
+    model = ref.build()
+    inputs, target = ref.batch(ref.batch_size, torch.Generator().manual_seed(0))
+    eager_model, fused_model, fb_model, compiled_model = (copy.deepcopy(model) for _ in range(4))
+    sgd = lambda ps: torch.optim.SGD(ps, lr=jr.LR, momentum=jr.MOMENTUM)  # noqa: E731
+
+    params, state = ref.params_from(model)
+    train, forward_backward = jr.jax_steps(ref)
+    x, y = jax.device_put(ref.jax_input(inputs[0])), jax.device_put(target.numpy().astype(np.int32))
+    jax_loss = float(forward_backward(params, state, x, y)[0])
+    with torch.no_grad():
+        torch_loss = float(F.cross_entropy(copy.deepcopy(model)(*inputs), target))
+    if not abs(jax_loss - torch_loss) <= 1e-4 * max(1.0, abs(torch_loss)):
+        raise AssertionError(f"{name}: the JAX port's loss {jax_loss} != torch's {torch_loss}")
+    held = [params, state, jr.optimizer_init(params)]
+    fb_params, fb_state = ref.params_from(model)
+
+    def jax_step() -> Any:
+        new_params, new_state, new_opt, loss = train(*held, x, y)
+        held[:] = [new_params, new_state, new_opt]
+        return loss
+
+    opt = sgd(eager_model.parameters())
+
+    def eager_step() -> Any:
+        opt.zero_grad()
+        loss = F.cross_entropy(eager_model(*inputs), target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    fused = tpudist.compile_train_step(fused_model, F.cross_entropy, sgd(fused_model.parameters()))
+    batch = (*inputs, target)
+    compiled = tpudist.compile(compiled_model)
+    fb_params_torch, cm_params = list(fb_model.parameters()), list(compiled_model.parameters())
+
+    def fb(module: torch.nn.Module, params: list) -> Callable[[], Any]:
+        def step() -> Any:
+            for p in params:
+                p.grad = None
+            loss = F.cross_entropy(module(*inputs), target)
+            loss.backward()
+            return loss
+        return step
+
+    nothing, ready = (lambda out: None), (lambda out: jax.block_until_ready(out))
+    sides = {"eager_step": (eager_step, nothing), "fused_step": (lambda: fused(batch), float),
+             "jax_step": (jax_step, ready),
+             "eager_fb": (fb(fb_model, fb_params_torch), nothing), "compiled_fb": (fb(compiled, cm_params), nothing),
+             "jax_fb": (lambda: forward_backward(fb_params, fb_state, x, y), ready)}
+    first = {}
+    for side, (step, wait) in sides.items():  # compiles happen here, timed apart
+        start = time.perf_counter()
+        wait(step())
+        first[side] = time.perf_counter() - start
+    for _ in range(warmup):
+        for step, wait in sides.values():
+            wait(step())
+    times = _median_times(sides, steps, repeats)
+    row = {"model": name, "batch": ref.batch_size, "params": sum(p.numel() for p in model.parameters()),
+           **{f"{side}_ms": t * 1e3 for side, t in times.items()},
+           "fused_over_jax": times["fused_step"] / times["jax_step"],
+           "eager_over_jax": times["eager_step"] / times["jax_step"],
+           "compiled_over_jax": times["compiled_fb"] / times["jax_fb"],
+           "eager_fb_over_jax": times["eager_fb"] / times["jax_fb"],
+           "first_call_s": first, "torch_threads": torch.get_num_threads()}
+    assert fused.stats.compiles == 1 and compiled.stats.compiles == 1, (fused.stats, compiled.stats)
+    return row
+
+
+def _jax_table(rows: list[dict[str, Any]]) -> str:
+    header = (f"{'model':<12}{'batch':>6}{'eager step':>11}{'fused':>9}{'jax':>9}{'fused/jax':>10}"
+              f"{'eager fb':>10}{'compiled':>10}{'jax fb':>9}{'compiled/jax':>13}")
+    lines = ["vs the same model written by hand in JAX (jax.jit, donated), ms per step (median); "
+             "ratio = tpudist / JAX (<= 1: at the engine's floor)", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['model']:<12}{r['batch']:>6}{r['eager_step_ms']:>11.3f}{r['fused_step_ms']:>9.3f}"
+                     f"{r['jax_step_ms']:>9.3f}{r['fused_over_jax']:>9.2f}x{r['eager_fb_ms']:>10.3f}"
+                     f"{r['compiled_fb_ms']:>10.3f}{r['jax_fb_ms']:>9.3f}{r['compiled_over_jax']:>12.2f}x")
+    return "\n".join(lines)
 
 
 def _hf_models() -> dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], dict]]]:
@@ -312,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-processes", type=int, default=2, help="processes of the DDP vs fused comparison")
     parser.add_argument("--dp-torch-threads", type=int, default=1,
                         help="torch threads per DDP process (default 1: the processes share the cores)")
+    parser.add_argument("--vs-jax", nargs="*", choices=["mlp_small", "mlp_wide", "transformer", "resnet18"],
+                        help="compare with hand-written JAX (all models when given without names)")
     parser.add_argument("--hf", nargs="*", choices=["resnet18", "bert_tiny"],
                         help="also the transformers models (all when given without names), at --hf-batches")
     parser.add_argument("--hf-batches", nargs="+", type=int, default=[4], help="batches of the --hf models")
@@ -337,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
     load_before = list(os.getloadavg())
     rows: list[dict[str, Any]] = []
+    jax_rows: list[dict[str, Any]] = []
     dp_rows: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
 
@@ -351,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                         "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
             "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
                          "device": args.device, "tf32": cuda and not args.no_tf32},
-            "rows": rows, "errors": errors,
+            "rows": rows, "errors": errors, "vs_jax": jax_rows,
             "fused_data_parallel": dp_rows,
         }
         if args.json:
@@ -377,11 +496,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name} batch {batch}: eager {rows[-1]['eager_ms']:.2f} ms, "
               f"compiled {rows[-1]['compiled_ms']:.2f} ms, eager train step {rows[-1]['eager_train_ms']:.2f} ms, "
               f"fused {rows[-1]['fused_train_ms']:.2f} ms", file=sys.stderr, flush=True)
+    for name in ([] if args.vs_jax is None else (args.vs_jax or ["mlp_small", "mlp_wide", "transformer", "resnet18"])):
+        jax_rows.append(bench_vs_jax(name, args.steps, args.repeats, args.warmup))
+        report()
+        print(f"  {name}: fused/jax {jax_rows[-1]['fused_over_jax']:.2f}x, compiled/jax "
+              f"{jax_rows[-1]['compiled_over_jax']:.2f}x", file=sys.stderr, flush=True)
     if not args.skip_dp and not cuda:
         dp_rows.extend(bench_fused_data_parallel(args))
     result = report()
     if rows:
         print(_table(rows))
+    if jax_rows:
+        print(_jax_table(jax_rows))
     if dp_rows:
         print(_dp_table(dp_rows))
     print(json.dumps(result, indent=2))

@@ -142,9 +142,9 @@ def _leave(deadline: Callable[[], float]) -> None:
     The shutdown runs on a thread of its own. If it has not finished in time, the runtime's
     objects are leaked on purpose (their C++ destructors would shut down, and wait, all the same)
     and taken off JAX's state, so that JAX's atexit hook finds nothing left to shut down."""
-    from jax._src import distributed  # the one private JAX name here: the distributed runtime's state
+    from tpudist import _jaxcompat
 
-    state = distributed.global_state
+    state = _jaxcompat.distributed_state()
     if state.client is None:
         return
     kept = [state.preemption_sync_manager, state.client, state.service]

@@ -82,3 +82,19 @@ def distributed_client() -> Any:
         raise RuntimeError(f"tpudist cannot reach JAX's coordination service client in jax "
                            f"{jax.__version__} ({e}); tpudist._jaxcompat.distributed_client needs "
                            "updating for this JAX version") from e
+
+
+def distributed_state() -> Any:
+    """JAX's distributed runtime state object (`client`, `service`, `preemption_sync_manager`,
+    `shutdown()`), for leaving a job without waiting in JAX's exit barrier (tpudist._exit).
+
+    Private: `jax._src.distributed.global_state` (jax 0.10); JAX has no public handle on it. No
+    fallback: where it moved, tpudist._exit cannot bound the exit and says so.
+    """
+    import jax
+    try:
+        from jax._src import distributed
+        return distributed.global_state
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"tpudist cannot reach JAX's distributed state in jax {jax.__version__} ({e}); "
+                           "tpudist._jaxcompat.distributed_state needs updating for this JAX version") from e
