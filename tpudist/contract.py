@@ -44,6 +44,7 @@ CACHE_DIR = "TPUDIST_CACHE_DIR"  # persistent compilation cache directory ("off"
 RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under --max-restarts
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 
+TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 
 # Set for every process tpudist starts unless the user's environment names it (or HUGEPAGES=0):

@@ -198,11 +198,12 @@ class _Signature:
         self.updated: list[jax.Array] = []
         self._generation = -1
         self._no_rng: jax.Array | None = None
+        owner.mirror.register(self.plan.fixed, self.plan.updated)
 
     def __call__(self, leaves: list[Any], on_device: bool) -> LazyScalar:
         owner, mirror, plan = self.owner, self.owner.mirror, self.plan
         reloads = mirror.reloads
-        mirror.prepare(plan.fixed, plan.updated)
+        mirror.prepare()
         owner.stats.state_reloads += mirror.reloads - reloads
         if mirror.owner is not self:  # another signature (or torch) last wrote the buffers
             mirror.flush_owner()
@@ -234,7 +235,7 @@ class _Signature:
         # what torch.optim's step wrapper records, read by LR schedulers' "lr_scheduler.step()
         # before optimizer.step()" warning: the update did run, inside the executable
         owner.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return LazyScalar(owner.placement.local_blocks(losses, split=True))
+        return LazyScalar(losses)
 
 
 def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,

@@ -15,13 +15,13 @@ import torch
 
 
 class LazyScalar:
-    """A float computed on the devices: the mean of `parts` (one 0-d or 1-element array per local
-    device). Behaves like a 0-d float32 tensor wherever it is read."""
+    """A float computed on the devices: the mean of this process's blocks of `array` (a global
+    array with one element per device). Behaves like a 0-d float32 tensor wherever it is read."""
 
-    __slots__ = ("_parts", "_value")
+    __slots__ = ("_array", "_value")
 
-    def __init__(self, parts: list[Any]):
-        self._parts = parts
+    def __init__(self, array: Any):
+        self._array = array
         self._value: float | None = None
 
     # -- reading -----------------------------------------------------------------------------------
@@ -30,10 +30,10 @@ class LazyScalar:
         """The value (waits for the step that computes it)."""
         if self._value is None:
             from tpudist.compile._torch import _state
-            values = [_state.to_host(p) for p in self._parts]
-            self._value = float(np.mean([np.asarray(v, dtype=np.float32).reshape(()) for v in values],
+            values = [_state.to_host(s.data) for s in self._array.addressable_shards]
+            self._value = float(np.mean([np.asarray(v, dtype=np.float32).reshape(-1)[0] for v in values],
                                         dtype=np.float32))
-            self._parts = []
+            self._array = None
         return self._value
 
     def tensor(self) -> torch.Tensor:
@@ -42,7 +42,7 @@ class LazyScalar:
 
     def ready(self) -> bool:
         """Whether the devices have finished computing it (reading it then does not wait)."""
-        return self._value is not None or all(p.is_ready() for p in self._parts)
+        return self._value is not None or self._array.is_ready()
 
     __float__ = item
 

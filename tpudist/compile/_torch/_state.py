@@ -33,6 +33,7 @@ import jax
 import numpy as np
 import torch
 
+from tpudist import contract
 from tpudist.compile._torch import _optim
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from tpudist.compile._torch._plan import Layout
 
 # None: decided per array (torch views CPU buffers); False: always copy, as on a TPU
-HOST_VIEW: bool | None = None if os.environ.get("TPUDIST_TORCH_HOST_VIEW", "1") != "0" else False
+HOST_VIEW: bool | None = None if os.environ.get(contract.TORCH_HOST_VIEW, "1") != "0" else False
 crossings: collections.Counter = collections.Counter()  # "to_host", "to_device": arrays crossed
 
 # every mirror of a module, so that any of them (or a compiled module) can bring torch up to date
@@ -99,21 +100,27 @@ class Mirror:
 
     # -- before a step -----------------------------------------------------------------------------
 
-    def prepare(self, fixed: list[tuple[str, Any]], updated: list[tuple[str, Any]]) -> None:
-        """Makes the device arrays current before a step (uploads what torch changed), and registers
-        the state keys a graph reads."""
+    def register(self, fixed: list[tuple[str, Any]], updated: list[tuple[str, Any]]) -> None:
+        """The state keys a new graph reads (uploaded now if the device state exists already)."""
         for key, get in fixed + updated:
-            if key not in self.named_sources:  # first read by this graph: upload it (once)
+            if key not in self.named_sources:
                 self.named_sources[key] = get
                 if self.device_current:
+                    self.flush_owner()
                     self.named[key] = self._put(get(), False)
                     self._record(key, get())
                     self.generation += 1
         self.updated_keys.update(key for key, _ in updated)
-        for other in list(_MIRRORS.get(self.model, ())):  # (one dict lookup per step)
-            if other is not self and not other.torch_current:
-                other.sync()  # another step trained this model since: its values first
-                self.torch_current = True
+
+    def prepare(self) -> None:
+        """Makes the device arrays current before a step: uploads what torch changed (nothing,
+        and no per-parameter work, between two steps)."""
+        mirrors = _MIRRORS.get(self.model)
+        if mirrors is not None and len(mirrors) > 1:
+            for other in list(mirrors):
+                if other is not self and not other.torch_current:
+                    other.sync()  # another step trained this model since: its values first
+                    self.torch_current = True
         if not self.device_current:
             self._upload_all()
         elif self.torch_current:
