@@ -56,3 +56,8 @@ def compile(fn: Callable[..., Any] | torch.nn.Module, *, mesh: Any = None, in_sp
     from tpudist.compile._jax_step import compile_jax
     return compile_jax(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, donate_argnums=donate_argnums,
                        static_argnums=static_argnums, per_device=per_device, name=name)
+
+
+# `import tpudist.compile._torch as t` resolves `compile` on `tpudist` (this function) and then, when
+# the attribute is missing, looks the submodule up in sys.modules under `<its __name__>._torch`
+compile.__name__ = "tpudist.compile"
