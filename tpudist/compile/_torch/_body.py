@@ -1,7 +1,7 @@
 """The per-device body of the fused train step, run under `shard_map` over the "data" axis.
 
-    body(params, fixed, updated, states, counts, hyper, batch, rng)
-        -> (params, updated, states, counts, loss, rng)
+    body(params, fixed, updated, states, counts, hyper, batch, rng, signal)
+        -> (params, updated, states, counts, loss, rng, signal)
 
 Each device differentiates the loss of its slice of the batch (in `accumulate` micro-batches,
 one after another, if asked), the gradients of replicated parameters are averaged over the axis
@@ -9,7 +9,10 @@ in one all-reduce (`ShardedEmbedding` rows are already summed by their lookup's 
 every trained parameter takes its optimizer's update (`_optim.update`). Parameters the graph does
 not train pass through unchanged, as do their optimizer state and step count, as torch.optim
 skips a parameter without a gradient. The random key is split once per step and folded with the
-device's position, so each step and each device draws its own dropout masks.
+device's position, so each step and each device draws its own dropout masks. `signal` (one float
+per device) comes back averaged over every device, in the same all-reduce as the gradients: a
+flag any process raises (fit's "stop and save", on SIGTERM) reaches every process at the same step
+without a collective of its own.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
         (grads, loss, updated), _ = lax.scan(one, start, (jnp.arange(accumulate), micro))
         return (loss / accumulate, updated), [g / accumulate for g in grads]
 
-    def body(params, fixed, updated, states, counts, hyper, batch, rng):
+    def body(params, fixed, updated, states, counts, hyper, batch, rng, signal):
         if random:
             key, next_key = jax.random.split(jax.random.wrap_key_data(rng))
             key, rng = jax.random.fold_in(key, lax.axis_index(AXIS)), jax.random.key_data(next_key)
@@ -80,7 +83,8 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
             grad_fn = gradient if accumulate == 1 else accumulated
             (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
         replicated = [j for j, s in enumerate(sharded) if not s]
-        for j, g in zip(replicated, lax.pmean([grads[j] for j in replicated], AXIS)):
+        *means, signal = lax.pmean([grads[j] for j in replicated] + [signal.reshape(())], AXIS)
+        for j, g in zip(replicated, means):
             grads[j] = g
         grads = [g / devices if s else g for g, s in zip(grads, sharded)]
         if max_norm is not None:
@@ -91,7 +95,7 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
                                                          counts[i])
         new_updated = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
                        for b in new_updated]
-        return new_params, new_updated, new_states, counts + stepped, loss.reshape(1), rng
+        return new_params, new_updated, new_states, counts + stepped, loss.reshape(1), rng, signal
 
     return body
 

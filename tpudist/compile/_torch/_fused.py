@@ -89,6 +89,11 @@ class TrainStep:
         self._rng_seed: int | None = None
         self._hyper: jax.Array | None = None
         self._hyper_rows: list[list[float]] | None = None
+        # a flag raised on any process reaches all of them with the next step's all-reduce (see
+        # _body); `raise_signal()` sets it here, `signal` holds the last step's agreed value
+        self._signal_raised = False
+        self._signal_inputs: dict[bool, jax.Array] = {}
+        self.signal: jax.Array | None = None
 
     def __repr__(self) -> str:
         return (f"TrainStep({type(self.model).__name__}, {type(self.optimizer).__name__}, "
@@ -137,6 +142,25 @@ class TrainStep:
             self._rng = self.placement.put(words, split=False)
             self._rng_seed = seed
         return self._rng
+
+    def raise_signal(self, raised: bool = True) -> None:
+        """Raise (or lower) this process's flag for the next steps; `signal_agreed()` on every
+        process then says, for the step it was raised in, that some process raised it."""
+        self._signal_raised = raised
+
+    def signal_agreed(self) -> bool:
+        """Whether some process had raised its flag during the last step (waits for that step)."""
+        if self.signal is None:
+            return False
+        from tpudist.compile._torch._state import to_host
+        return float(np.asarray(to_host(self.signal.addressable_shards[0].data)).reshape(())) > 0
+
+    def _signal_input(self) -> jax.Array:
+        raised = self._signal_raised
+        if raised not in self._signal_inputs:
+            flags = np.full(self.local_devices, 1.0 if raised else 0.0, np.float32)
+            self._signal_inputs[raised] = self.placement.put(flags, split=True)
+        return self._signal_inputs[raised]
 
     def hyperparameters(self) -> jax.Array:
         """Every param group's row of hyperparameters on the devices, re-sent only when one changed
@@ -187,8 +211,8 @@ class _Signature:
                          accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm)
         param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
         state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
-        in_specs = (param_specs, P(), P(), state_specs, P(), P(), P(AXIS), P())
-        out_specs = (param_specs, P(), state_specs, P(), P(AXIS), P())
+        in_specs = (param_specs, P(), P(), state_specs, P(), P(), P(AXIS), P(), P(AXIS))
+        out_specs = (param_specs, P(), state_specs, P(), P(AXIS), P(), P())
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs, per_device=True,
                                 donate_argnums=(0, 2, 3, 4), name=f"train step ({type(owner.model).__name__})")
         self._serialize = self.step._serialize
@@ -220,13 +244,13 @@ class _Signature:
                 self._no_rng = put(np.zeros(2, np.uint32), split=False)
             rng = self._no_rng
         args = (mirror.params, self.fixed, self.updated, mirror.states, mirror.counts, owner.hyperparameters(),
-                batch, rng)
+                batch, rng, owner._signal_input())
         if self._executable is None:
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         if self._serialize and self._in_flight is not None:
             jax.block_until_ready(self._in_flight)  # see CompiledStep: multi-device CPU steps must not overlap
-        params, self.updated, states, counts, losses, rng = self._executable(*args)
+        params, self.updated, states, counts, losses, rng, owner.signal = self._executable(*args)
         self._in_flight = losses
         mirror.stepped(params, states, counts, self)
         self._generation = mirror.generation
