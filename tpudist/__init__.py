@@ -28,6 +28,8 @@ _EXPORTS = {
     "local_process_count": "tpudist._runtime",
     "devices": "tpudist._runtime",
     "local_devices": "tpudist._runtime",
+    "slice_index": "tpudist._runtime",
+    "num_slices": "tpudist._runtime",
     "spawn": "tpudist._spawn",
     "SpawnError": "tpudist._spawn",
     # eager and in-graph collectives
