@@ -53,7 +53,7 @@ _EXPORTS = {
     "fit": "tpudist.compile",
     "eager_step": "tpudist.compile",
 }
-_SUBMODULES = ("mesh", "collectives", "compile", "launch", "testing", "nn", "contract")
+_SUBMODULES = ("mesh", "collectives", "compile", "checkpoint", "launch", "testing", "nn", "contract")
 
 # `compile` is the subpackage tpudist.compile, which is callable: tpudist.compile(fn, mesh=...).
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
