@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -38,6 +39,18 @@ DEFAULT_TIMEOUT = 1200.0  # seconds; orbax's own default for an asynchronous sav
 _ITEM = "default"  # the item directory of a one-item CheckpointManager
 _NAMES = ocp.path.step.standard_name_format()  # <step>, as CheckpointManager names steps
 _TMP = ocp.path.atomicity.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+
+
+class _OwnWaitsFilter(logging.Filter):
+    """Drops orbax's "Waiting for previous save to complete took N seconds" warning: orbax counts
+    every wait since the last save, the caller's own `handle.wait()` included, as time the next
+    save waited. tpudist logs the wait a save does make (INFO, logger "tpudist.checkpoint")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Waiting for previous save to complete" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_OwnWaitsFilter())
 
 
 class CheckpointError(RuntimeError):
@@ -190,7 +203,10 @@ def save(directory: str | os.PathLike, step: int, state: Any, *, wait: bool = Tr
     job = _job_state()
     with job.lock:
         d = _manager(job, path, keep, float(timeout))
+        previous, start = d.in_flight, time.perf_counter()
         _finish(d)  # the previous save of this directory commits first
+        if previous is not None:
+            log.info("step %d: waited %.2fs for step %d to commit", step, time.perf_counter() - start, previous)
         committed = steps(path)
         if committed and step <= committed[-1]:
             raise ValueError(f"{path} already has step {committed[-1]}; save a later step (steps "
