@@ -100,7 +100,7 @@ def _path(directory: Any) -> str:
     return os.path.abspath(os.fspath(directory))
 
 
-def steps(path: str) -> list[int]:
+def _steps(path: str) -> list[int]:
     """The committed steps in `path`, ascending (none when it does not exist)."""
     if not os.path.isdir(path):
         return []
@@ -121,7 +121,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
         if start is not None:
             start, state = tpudist.checkpoint.restore(ckpt_dir, like=state)
     """
-    found = steps(_path(directory))
+    found = _steps(_path(directory))
     return found[-1] if found else None
 
 
@@ -207,7 +207,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, *, wait: bool = Tr
         _finish(d)  # the previous save of this directory commits first
         if previous is not None:
             log.info("step %d: waited %.2fs for step %d to commit", step, time.perf_counter() - start, previous)
-        committed = steps(path)
+        committed = _steps(path)
         if committed and step <= committed[-1]:
             raise ValueError(f"{path} already has step {committed[-1]}; save a later step (steps "
                              "only grow: to go on from an older step, delete the newer ones first)")
@@ -289,7 +289,7 @@ def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
 def _restore_here(path: str, like: Any, step: int | None) -> tuple[int, Any]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory {path}")
-    found = steps(path)
+    found = _steps(path)
     if step is None:
         if not found:
             raise FileNotFoundError(f"{path} holds no committed checkpoint{_interrupted(path)}")
