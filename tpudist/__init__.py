@@ -33,6 +33,8 @@ _EXPORTS = {
     "local_process_count": "tpudist._runtime",
     "devices": "tpudist._runtime",
     "local_devices": "tpudist._runtime",
+    "slice_index": "tpudist._runtime",
+    "num_slices": "tpudist._runtime",
     "spawn": "tpudist._spawn",
     "SpawnError": "tpudist._spawn",
     # eager and in-graph collectives
@@ -66,7 +68,7 @@ _EXPORTS = {
     "fit": "tpudist._training",
     "eager_step": "tpudist._training",
 }
-_SUBMODULES = ("mesh", "collectives", "launch", "testing", "nn", "contract")
+_SUBMODULES = ("mesh", "collectives", "checkpoint", "launch", "testing", "nn", "contract")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

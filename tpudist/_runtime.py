@@ -186,6 +186,42 @@ def local_devices() -> list[Any]:
     return jax.local_devices()
 
 
+def device_slices(devices: Any) -> list[int]:
+    """The slice of each of `devices`. Devices of a multi-slice TPU job report theirs
+    (`slice_index`); elsewhere (CPU devices report slice 0 whatever the job) a device's slice is its
+    process's, processes grouped slice-major by `MEGASCALE_NUM_SLICES` (unset: one slice). Works on
+    anything with a `process_index`; does not join the job."""
+    devices = list(devices)
+    if reported_slices(devices) > 1:
+        return [int(d.slice_index) for d in devices]
+    env = _job if _job is not None else contract.JobEnv.from_environ(os.environ)
+    if env.num_slices == 1:
+        return [0] * len(devices)
+    return [env.slice_of(int(d.process_index)) for d in devices]
+
+
+def reported_slices(devices: Any) -> int:
+    """How many distinct slices the devices themselves report (0 where some report none)."""
+    tagged = {getattr(d, "slice_index", None) for d in devices}
+    return 0 if None in tagged else len(tagged)
+
+
+def slice_index(device: Any = None) -> int:
+    """The slice `device` (default: this process) belongs to, 0 on a single-slice job.
+
+    A job may span TPU slices joined over DCN; on a CPU mesh `MEGASCALE_NUM_SLICES=S` emulates
+    S slices of consecutive ranks (see `tpudist.contract`). Example::
+
+        tpudist.slice_index(), tpudist.num_slices()    # (1, 2) on rank 3 of 4 with MEGASCALE_NUM_SLICES=2
+    """
+    return device_slices([local_devices()[0] if device is None else device])[0]
+
+
+def num_slices() -> int:
+    """Number of slices the job's devices span (1 unless it spans several)."""
+    return len(set(device_slices(devices())))
+
+
 def kv_client() -> Any:
     """The coordination service client (key-value store, barriers); None in a single-process job."""
     job()

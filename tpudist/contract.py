@@ -9,6 +9,13 @@ The torch-compatible names (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZ
 `torch.distributed.init_process_group("gloo", init_method="env://")` works inside a tpudist job.
 `MASTER_PORT` is always a different port from the JAX coordinator's.
 
+Slices: a job may span several slices joined over DCN. `MEGASCALE_NUM_SLICES` and
+`MEGASCALE_SLICE_ID` are the names libtpu reads (and xpk / JobSet set); ranks are slice-major, so
+slice s holds ranks `[s * P, (s + 1) * P)` with `P = WORLD_SIZE / MEGASCALE_NUM_SLICES`. On TPU
+each device also knows its slice (`device.slice_index`); on a CPU mesh, where devices do not,
+`MEGASCALE_NUM_SLICES` alone emulates slices by grouping the processes that way, and a device's
+slice is its process's (`tpudist.slice_index`, `tpudist.mesh.make_mesh(..., dcn=...)`).
+
 Example::
 
     env = JobEnv(rank=1, world_size=4, local_rank=1, local_world_size=2,
@@ -45,6 +52,10 @@ RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
+# Slices (libtpu's names, as xpk / JobSet set them). Unset: one slice.
+NUM_SLICES = "MEGASCALE_NUM_SLICES"  # slices in the job; WORLD_SIZE / NUM_SLICES processes each
+SLICE_ID = "MEGASCALE_SLICE_ID"  # this process's slice, RANK // (WORLD_SIZE / NUM_SLICES)
+
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 
 # Set for every process tpudist starts unless the user's environment names it (or HUGEPAGES=0):
@@ -61,7 +72,7 @@ DEFAULT_STOP_GRACE = 3.0
 
 ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
-       CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES)
+       CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID)
 
 
 def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:
@@ -116,6 +127,8 @@ class JobEnv:
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     restart: int = 0
     stop_grace: float = DEFAULT_STOP_GRACE
+    num_slices: int = 1
+    slice_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -130,6 +143,20 @@ class JobEnv:
                              "multi-process jobs with `python -m tpudist.xla_dist` or tpudist.spawn")
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ValueError(f"{CPU_DEVICES}={self.cpu_devices} must be at least 1")
+        if self.num_slices < 1 or self.world_size % self.num_slices:
+            raise ValueError(f"{NUM_SLICES}={self.num_slices} must be a positive divisor of "
+                             f"{WORLD_SIZE}={self.world_size}: every slice has the same number of "
+                             "processes")
+        if self.slice_id is not None and self.slice_id != self.slice_of(self.rank):
+            raise ValueError(f"{SLICE_ID}={self.slice_id} but {RANK}={self.rank} is in slice "
+                             f"{self.slice_of(self.rank)}: ranks are slice-major, "
+                             f"{self.world_size // self.num_slices} processes per slice")
+
+    def slice_of(self, rank: int) -> int:
+        """The slice that process `rank` belongs to: ranks are slice-major, equal slices."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"process {rank} is not in a job of {WORLD_SIZE}={self.world_size}")
+        return rank // (self.world_size // self.num_slices)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "JobEnv":
@@ -152,6 +179,8 @@ class JobEnv:
             collective_timeout=_float(environ, COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT),
             restart=_int(environ, RESTART, 0),
             stop_grace=_float(environ, STOP_GRACE, DEFAULT_STOP_GRACE, zero_ok=True),
+            num_slices=_int(environ, NUM_SLICES, 1),
+            slice_id=_int(environ, SLICE_ID),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -163,5 +192,8 @@ class JobEnv:
             NUM_WORKERS: self.num_workers, HOST: self.host, CPU_DEVICES: self.cpu_devices,
             PLATFORM: self.platform, JOB_ID: self.job_id, INIT_TIMEOUT: self.init_timeout,
             COLLECTIVE_TIMEOUT: self.collective_timeout, RESTART: self.restart, STOP_GRACE: self.stop_grace,
+            # A single-slice job sets no MEGASCALE_* variable: libtpu reads them.
+            NUM_SLICES: self.num_slices if self.num_slices > 1 else None,
+            SLICE_ID: self.slice_id if self.num_slices > 1 else None,
         }
         return {k: str(v) for k, v in values.items() if v is not None}

@@ -25,6 +25,7 @@ class StandInDevice:
     process_index: int
     slice_index: int | None = None
     platform: str = "cpu"
+    device_kind: str = "cpu"
 
 
 def hosts(processes: int, per_process: int, slices: int | None = None) -> list[StandInDevice]:

@@ -5,6 +5,7 @@
 
     tpudist.init()
     mesh = tpudist.mesh.make_mesh({"data": -1, "model": 2})  # "model" inside a process, "data" across
+    mesh = tpudist.mesh.make_mesh({"data": -1, "model": 4}, dcn={"data": 2})   # 2 slices over DCN
     tpudist.mesh.axis_groups(mesh, "data")                 # process groups for eager collectives
     rows = tpudist.mesh.process_slice(mesh, (256,), P("data"))[0]   # this process's part of a batch
 

@@ -5,6 +5,11 @@ Placement follows `jax.experimental.mesh_utils.create_hybrid_device_mesh`: devic
 into a part inside a granule (fast links: in-process on CPU, ICI on TPU) and a part across granules
 (DCN). The innermost axes -- the last ones of the mapping -- get the in-granule devices first, so a
 `{"data": -1, "model": 2}` mesh keeps each "model" group inside one process while "data" spans them.
+
+With `dcn=` the split is the caller's, as in `create_hybrid_device_mesh(mesh_shape, dcn_mesh_shape)`:
+`axes` is the shape inside one slice (ICI), `dcn` how many slices each axis spans; each axis is
+(its DCN part, outer) x (its ICI part, inner). Slices are TPU slices, or emulated ones on a CPU mesh
+(`MEGASCALE_NUM_SLICES`, see `tpudist.contract`).
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ from typing import Any
 
 import numpy as np
 
+from tpudist import _runtime, contract
+
 log = logging.getLogger("tpudist.mesh")
 
 
-def resolve_axes(axes: Mapping[str, int], device_count: int) -> dict[str, int]:
-    """Checks the axis names and sizes and fills in the one -1 axis, if any.
+def resolve_axes(axes: Mapping[str, int], count: int, unit: str = "devices",
+                 label: str = "") -> dict[str, int]:
+    """Checks the axis names and sizes and fills in the one -1 axis, if any, so that the sizes
+    multiply to `count` (of `unit`: "devices", "devices per slice", "slices").
 
-    Errors show the arithmetic: `data(3) * model(2) != 8 devices`.
+    Errors show the arithmetic, after `label`: `data(3) * model(2) = 6 != 8 devices`.
     """
     if not isinstance(axes, Mapping) or not axes:
         raise TypeError(f"axes must be a non-empty mapping of axis name -> size such as "
@@ -38,16 +47,16 @@ def resolve_axes(axes: Mapping[str, int], device_count: int) -> dict[str, int]:
     if len(free) > 1:
         raise ValueError(f"only one mesh axis may be -1, got {free} in {dict(axes)}")
     fixed = math.prod(int(s) for s in axes.values() if s != -1)
-    product = " * ".join(f"{name}({size})" for name, size in axes.items() if size != -1)
+    product = label + " * ".join(f"{name}({size})" for name, size in axes.items() if size != -1)
     if free:
-        if device_count % fixed:
-            raise ValueError(f"{product} = {fixed} does not divide {device_count} devices, so "
+        if count % fixed:
+            raise ValueError(f"{product} = {fixed} does not divide {count} {unit}, so "
                              f"{free[0]}(-1) has no integer size; pick sizes whose product divides "
-                             f"{device_count}")
-        return {name: (device_count // fixed if size == -1 else int(size)) for name, size in axes.items()}
-    if fixed != device_count:
-        raise ValueError(f"{product} = {fixed} != {device_count} devices; make the product of the axis "
-                         "sizes equal the device count, or give one axis -1")
+                             f"{count}")
+        return {name: (count // fixed if size == -1 else int(size)) for name, size in axes.items()}
+    if fixed != count:
+        raise ValueError(f"{product} = {fixed} != {count} {unit}; make the product of the axis "
+                         f"sizes equal {count}, or give one axis -1")
     return {name: int(size) for name, size in axes.items()}
 
 
@@ -67,22 +76,17 @@ def split_axes(sizes: Sequence[int], per_granule: int) -> tuple[list[int], list[
     return ici, [s // c for s, c in zip(sizes, ici)]
 
 
-def _granule_key(device: Any, multislice: bool) -> int:
-    return int(device.slice_index) if multislice else int(device.process_index)
-
-
-def place_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
+def place_devices(devices: Sequence[Any], sizes: Sequence[int],
+                  slices: Sequence[int] | None = None) -> np.ndarray:
     """Arranges `devices` into an array of shape `sizes`, innermost axes inside a granule.
 
-    Works on anything with `id` and `process_index` (and `slice_index` on multi-slice TPU jobs).
+    Granules are slices when `slices` (each device's slice) names more than one, else processes.
+    Works on anything with `id` and `process_index`.
     """
     assert math.prod(sizes) == len(devices), (sizes, len(devices))
-    slices = {getattr(d, "slice_index", None) for d in devices}
-    multislice = len(slices) > 1 and None not in slices
-    granules: dict[int, list[Any]] = {}
-    for d in devices:
-        granules.setdefault(_granule_key(d, multislice), []).append(d)
-    groups = [sorted(granules[k], key=lambda d: d.id) for k in sorted(granules)]
+    multislice = slices is not None and len(set(slices)) > 1
+    keys = list(slices) if multislice else [int(d.process_index) for d in devices]
+    groups = _grouped(devices, keys)
     per_granule = len(groups[0])
     split = split_axes(list(sizes), per_granule) if all(len(g) == per_granule for g in groups) else None
     if split is None:
@@ -93,14 +97,69 @@ def place_devices(devices: Sequence[Any], sizes: Sequence[int]) -> np.ndarray:
         flat = [d for g in groups for d in g]
         return _object_array(flat, sizes)
     ici, dcn = split
-    blocks = np.empty((len(groups),) + tuple(ici), dtype=object)
-    for i, group in enumerate(groups):
-        blocks[i] = _inside_granule(group, ici)
+    inside = _inside_slice if multislice else _inside_granule
+    return _interleave([inside(group, ici) for group in groups], dcn, ici)
+
+
+def place_hybrid(devices: Sequence[Any], slices: Sequence[int], axes: Mapping[str, int],
+                 dcn: Mapping[str, int]) -> tuple[dict[str, int], np.ndarray]:
+    """`axes` inside each slice (ICI) times `dcn` across slices: the mesh's sizes and devices.
+
+    Each axis's DCN part is its outer part, as in `mesh_utils.create_hybrid_device_mesh`.
+    """
+    groups = _grouped(devices, slices)
+    counts = [len(g) for g in groups]
+    if len(set(counts)) > 1:
+        raise ValueError(f"the slices have unequal device counts "
+                         f"({', '.join(f'slice {s}: {n}' for s, n in zip(sorted(set(slices)), counts))}); "
+                         "a mesh with dcn= needs the same devices in every slice")
+    ici = resolve_axes(axes, counts[0], unit="devices per slice", label="ici ")
+    if not isinstance(dcn, Mapping):
+        raise TypeError(f"dcn must be a mapping of axis name -> number of slices such as "
+                        f"{{'data': 2}}, got {dcn!r}")
+    unknown = [name for name in dcn if name not in ici]
+    if unknown:
+        raise ValueError(f"dcn names {unknown}, not axes of the mesh {list(ici)}; every dcn axis is a "
+                         "mesh axis (give one that lives only across slices size 1 in axes)")
+    across = resolve_axes({name: dcn.get(name, 1) for name in ici}, len(groups),
+                          unit=f"slices ({_slice_source(devices, len(groups))})", label="dcn ")
+    inside = list(ici.values())
+    blocks = [_inside_slice(group, inside) for group in groups]
+    sizes = {name: ici[name] * across[name] for name in ici}
+    return sizes, _interleave(blocks, list(across.values()), inside)
+
+
+def _slice_source(devices: Sequence[Any], count: int) -> str:
+    if _runtime.reported_slices(devices) > 1:
+        return "from the devices' slice_index"
+    return f"{contract.NUM_SLICES}={count}" if count > 1 else f"{contract.NUM_SLICES} unset"
+
+
+def _grouped(devices: Sequence[Any], keys: Sequence[int]) -> list[list[Any]]:
+    """Devices grouped by key, groups in key order, each group in device-id order."""
+    groups: dict[int, list[Any]] = {}
+    for d, k in zip(devices, keys):
+        groups.setdefault(k, []).append(d)
+    return [sorted(groups[k], key=lambda d: d.id) for k in sorted(groups)]
+
+
+def _interleave(blocks: Sequence[np.ndarray], dcn: Sequence[int], ici: Sequence[int]) -> np.ndarray:
+    """One block of shape `ici` per granule, granules in `dcn` order -> axis i = (dcn_i, ici_i)."""
+    m = len(ici)
+    grid = np.empty((len(blocks),) + tuple(ici), dtype=object)
+    for i, block in enumerate(blocks):
+        grid[i] = block
     # (dcn..., ici...) -> interleave (dcn_0, ici_0, dcn_1, ici_1, ...) -> merge each pair.
-    m = len(sizes)
-    grid = blocks.reshape(tuple(dcn) + tuple(ici))
+    grid = grid.reshape(tuple(dcn) + tuple(ici))
     order = [j for i in range(m) for j in (i, m + i)]
-    return grid.transpose(order).reshape(sizes)
+    return grid.transpose(order).reshape([c * d for c, d in zip(ici, dcn)])
+
+
+def _inside_slice(devices: list[Any], shape: list[int]) -> np.ndarray:
+    """One slice's devices in `shape`: on TPU in physical ICI order, else inner axes in a process."""
+    if getattr(devices[0], "platform", None) == "tpu":
+        return _inside_granule(devices, shape)
+    return place_devices(devices, shape)
 
 
 def _inside_granule(devices: list[Any], shape: list[int]) -> np.ndarray:
@@ -123,35 +182,50 @@ def _object_array(items: Sequence[Any], shape: Sequence[int]) -> np.ndarray:
     return out.reshape(tuple(shape))
 
 
-def make_mesh(axes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Any:
+def make_mesh(axes: Mapping[str, int], devices: Sequence[Any] | None = None, *,
+              dcn: Mapping[str, int] | None = None) -> Any:
     """A `jax.sharding.Mesh` over every device of every process, with named axes.
 
     `axes` maps axis name -> size, outermost first; one size may be -1 (whatever is left). Axes
     are placed topology-aware: the last axes are filled from the devices inside one process (one
-    TPU slice on a multi-slice job) first, so put the axis with the heaviest collectives (model,
+    slice on a multi-slice job) first, so put the axis with the heaviest collectives (model,
     tensor) last and the data axis first. `devices` defaults to `tpudist.devices()` (joining the
     job first if needed). Example::
 
         mesh = tpudist.mesh.make_mesh({"data": -1, "model": 2})   # 2 procs x 2 devices: 2 x 2
         mesh.shape                                                # {'data': 2, 'model': 2}
 
+    On a job of several slices (TPU slices over DCN, or `MEGASCALE_NUM_SLICES` on a CPU mesh),
+    `dcn` says how many slices each axis spans, and `axes` is then the shape inside one slice, as
+    in `mesh_utils.create_hybrid_device_mesh`: an axis's size is its ICI size times its DCN size,
+    the DCN part outermost. On 2 slices of 8 devices::
+
+        mesh = make_mesh({"data": -1, "model": 4}, dcn={"data": 2})   # data(4) x model(4)
+
     Raises ValueError when the sizes do not multiply to the device count (`data(3) * model(2) = 6
-    != 8 devices`), TypeError for names or sizes of the wrong type.
+    != 8 devices`; with `dcn`, `ici data(2) * model(4) = 8 != 4 devices per slice` or `dcn data(2) *
+    model(1) = 2 != 1 slices`), TypeError for names or sizes of the wrong type.
     """
     from jax.sharding import Mesh
     if devices is None:
-        from tpudist import _runtime
         devices = _runtime.devices()
     devices = list(devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device")
-    sizes = resolve_axes(axes, len(devices))
-    array = place_devices(devices, list(sizes.values()))
+    slices = _runtime.device_slices(devices)
+    if dcn is None:
+        sizes = resolve_axes(axes, len(devices))
+        array = place_devices(devices, list(sizes.values()), slices)
+    else:
+        sizes, array = place_hybrid(devices, slices, axes, dcn)
     return Mesh(array, tuple(sizes))
 
 
 def describe(mesh: Any) -> str:
-    """A one-line summary for logs: `data(2) x model(2) over 4 devices in 2 processes`."""
+    """A one-line summary for logs: `data(2) x model(2) over 4 devices in 2 processes`
+    (`..., 2 slices` on a multi-slice job)."""
     shape = " x ".join(f"{name}({size})" for name, size in mesh.shape.items())
     processes = len({d.process_index for d in mesh.devices.flat})
-    return f"{shape} over {mesh.devices.size} devices in {processes} process{'es' * (processes != 1)}"
+    slices = len(set(_runtime.device_slices(mesh.devices.flat)))
+    more = f", {slices} slices" if slices > 1 else ""
+    return f"{shape} over {mesh.devices.size} devices in {processes} process{'es' * (processes != 1)}{more}"

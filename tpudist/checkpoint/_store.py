@@ -1,0 +1,361 @@
+"""Saving, restoring and finding checkpoints, on orbax-checkpoint.
+
+Layout: orbax's own, `DIRECTORY/<step>/default/` per step (a `CheckpointManager` of one item,
+saved with `PyTreeSave`): every process writes its own shards into its own `ocdbt.process_<i>`
+store, and process 0 writes the tree's metadata and the host values (numpy, scalars, strings).
+
+Atomicity is orbax's commit protocol: a save writes into `<step>.orbax-checkpoint-tmp-<time>/`,
+every process finishes its writes, and process 0 renames the directory to `<step>` (the commit).
+A directory that was never renamed is not a step: `latest_step` and `restore` skip it, and the
+next save's manager deletes it. Saves are asynchronous underneath (orbax copies the arrays to host
+memory, then writes and commits in a background thread); `save(wait=True)` waits for the commit.
+
+Restoring reads with orbax's PyTree handler directly instead of through `CheckpointManager.restore`,
+whose closing barrier would keep the processes that read their shards waiting until a timeout
+when another process failed: here every process posts its outcome to the job's key-value store and
+raises as soon as any process failed, naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from tpudist import _runtime, contract
+from tpudist.checkpoint import _tree
+
+log = logging.getLogger("tpudist.checkpoint")
+
+DEFAULT_TIMEOUT = 1200.0  # seconds; orbax's own default for an asynchronous save's barriers
+_ITEM = "default"  # the item directory of a one-item CheckpointManager
+_NAMES = ocp.path.step.standard_name_format()  # <step>, as CheckpointManager names steps
+_TMP = ocp.path.atomicity.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+
+
+class _OwnWaitsFilter(logging.Filter):
+    """Drops orbax's "Waiting for previous save to complete took N seconds" warning: orbax counts
+    every wait since the last save, the caller's own `handle.wait()` included, as time the next
+    save waited. tpudist logs the wait a save does make (INFO, logger "tpudist.checkpoint")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Waiting for previous save to complete" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_OwnWaitsFilter())
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read: a step directory that is incomplete, truncated
+    or corrupt, a save that failed, or another process that failed to restore."""
+
+
+@dataclasses.dataclass
+class _Directory:
+    """One checkpoint directory this process saves to in the current job."""
+
+    path: str
+    manager: Any  # ocp.CheckpointManager
+    keep: int | None
+    timeout: float
+    in_flight: int | None = None  # the step of the save that may still be running
+
+
+class _Job:
+    """What tpudist.checkpoint keeps for one job: a new job (shutdown, init) starts afresh."""
+
+    def __init__(self, job: contract.JobEnv):
+        self.job = job
+        self.directories: dict[str, _Directory] = {}
+        self.restores = 0  # restore() calls so far; names their key-value keys
+        self.lock = threading.Lock()
+
+
+_current: _Job | None = None
+_exit_hook = False
+
+
+def _job_state() -> _Job:
+    global _current, _exit_hook
+    job = _runtime.job()
+    if _current is None or _current.job is not job:
+        _current = _Job(job)
+    if not _exit_hook:
+        atexit.register(_wait_at_exit)  # after jax's own atexit hooks, so it runs before them
+        _exit_hook = True
+    return _current
+
+
+def _path(directory: Any) -> str:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    return os.path.abspath(os.fspath(directory))
+
+
+def _steps(path: str) -> list[int]:
+    """The committed steps in `path`, ascending (none when it does not exist)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(m.step for m in _NAMES.find_all(epath.Path(path)))
+
+
+def _interrupted(path: str) -> str:
+    left = sorted(n for n in os.listdir(path) if _TMP in n) if os.path.isdir(path) else []
+    return f" (interrupted saves left {left}, never committed)" if left else ""
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest committed step in `directory`, or None when it holds none or does not exist.
+
+    A save interrupted before its commit does not count. Needs no other process. Example::
+
+        start = tpudist.checkpoint.latest_step(ckpt_dir)
+        if start is not None:
+            start, state = tpudist.checkpoint.restore(ckpt_dir, like=state)
+    """
+    found = _steps(_path(directory))
+    return found[-1] if found else None
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+class SaveHandle:
+    """A save that may still be writing: `wait()` returns once its step is committed (and raises
+    CheckpointError if it failed); `done()` says whether it has finished."""
+
+    def __init__(self, directory: _Directory, step: int):
+        self._directory = directory
+        self.path = directory.path
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, step={self.step}, done={self.done()})"
+
+    def done(self) -> bool:
+        d = self._directory
+        return d.in_flight != self.step or not d.manager.is_saving_in_progress()
+
+    def wait(self) -> None:
+        _finish(self._directory)
+
+
+def _finish(d: _Directory) -> None:
+    step, d.in_flight = d.in_flight, None
+    try:
+        d.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - re-raised with the path and step
+        raise CheckpointError(f"saving step {step} to {d.path} failed: {e}") from e
+
+
+def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Directory:
+    d = state.directories.get(path)
+    if d is not None and (d.keep, d.timeout) == (keep, timeout):
+        return d
+    if d is not None:
+        _finish(d)
+        d.manager.close()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        enable_async_checkpointing=True,
+        cleanup_tmp_directories=True,  # what interrupted saves left behind
+        async_options=ocp.AsyncOptions(timeout_secs=max(1, int(timeout))),
+        # Distinct barrier names per directory: saves to two directories may overlap.
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix="tpudist-" + hashlib.sha1(path.encode()).hexdigest()[:12]),
+    )
+    d = _Directory(path, ocp.CheckpointManager(path, options=options), keep, timeout)
+    state.directories[path] = d
+    return d
+
+
+def save(directory: str | os.PathLike, step: int, state: Any, *, wait: bool = True,
+         keep: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> SaveHandle:
+    """Saves `state` as step `step` of `directory`; every process calls it with its state.
+
+    See `tpudist.checkpoint` for what a state may hold. Each process writes only its own shards
+    (process 0 also the metadata and the host values). The step appears atomically: until every
+    process has written and the step is committed, `latest_step` and `restore` see the previous
+    one. With `wait=False` the call returns once the arrays are copied to host memory; the write
+    and commit go on in the background (call `.wait()` on the returned handle, or
+    `tpudist.checkpoint.wait()`; the next save to the directory, and the program's exit, wait for
+    it). `keep=N` keeps the newest N steps. `timeout` bounds each wait for the other processes.
+
+    Raises ValueError when `step` is not after the directory's latest step, TypeError for a
+    leaf that cannot be checkpointed, CheckpointError when the write fails. Example::
+
+        tpudist.checkpoint.save("/ckpt/run1", 100, {"params": params, "opt": opt_state})
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None (keep every step) or a positive int, got {keep!r}")
+    path = _path(directory)
+    tree = _tree.storable(state, copy=not wait)
+    _tree.block_until_ready(tree)
+    job = _job_state()
+    with job.lock:
+        d = _manager(job, path, keep, float(timeout))
+        previous, start = d.in_flight, time.perf_counter()
+        _finish(d)  # the previous save of this directory commits first
+        if previous is not None:
+            log.info("step %d: waited %.2fs for step %d to commit", step, time.perf_counter() - start, previous)
+        committed = _steps(path)
+        if committed and step <= committed[-1]:
+            raise ValueError(f"{path} already has step {committed[-1]}; save a later step (steps "
+                             "only grow: to go on from an older step, delete the newer ones first)")
+        try:
+            started = d.manager.save(step, args=ocp.args.PyTreeSave(tree), force=True)
+        except Exception as e:  # noqa: BLE001 - re-raised with the path and step
+            raise CheckpointError(f"saving step {step} to {path} failed: {e}") from e
+        if not started:
+            raise CheckpointError(f"orbax declined to save step {step} to {path}")
+        d.in_flight = step
+    handle = SaveHandle(d, step)
+    if wait:
+        handle.wait()
+    return handle
+
+
+def wait(directory: str | os.PathLike | None = None) -> None:
+    """Waits until the saves still running (to `directory`, or to every directory) are committed;
+    raises CheckpointError for one that failed."""
+    if _current is None:
+        return
+    with _current.lock:
+        found = list(_current.directories.values())
+    path = None if directory is None else _path(directory)
+    for d in found:
+        if path is None or d.path == path:
+            _finish(d)
+
+
+def _wait_at_exit() -> None:
+    if _current is None:
+        return
+    for d in list(_current.directories.values()):
+        try:
+            _finish(d)
+            d.manager.close()
+        except Exception as e:  # noqa: BLE001 - at exit: report, never mask the program's own exit
+            log.error("tpudist.checkpoint: %s", e)
+
+
+# -- restoring ------------------------------------------------------------------------------------
+
+def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
+            timeout: float = DEFAULT_TIMEOUT) -> tuple[int, Any]:
+    """Returns `(step, state)` read from `directory` (its latest committed step unless `step`
+    is given), with the structure, kinds, dtypes and shardings of `like`; every process calls it.
+
+    Each jax array is read into the sharding of its `like` leaf, so each process reads only the
+    shards its devices hold; `like` may hold `jax.ShapeDtypeStruct`s with shardings instead of
+    arrays (no memory). Torch tensors come back as torch tensors, numpy as numpy. Nothing is
+    loaded unless everything matches and reads on every process:
+
+    - no directory, no committed step, or no step `step`: FileNotFoundError naming the path;
+    - another tree (missing or extra keys, another shape or dtype): ValueError naming the path,
+      the key and both sides;
+    - a step that is incomplete, truncated or corrupt, or another process that failed:
+      CheckpointError naming the path and what is missing.
+
+    Example::
+
+        step, state = tpudist.checkpoint.restore("/ckpt/run1", like=state)
+    """
+    path = _path(directory)
+    job = _job_state()
+    with job.lock:
+        job.restores += 1
+        call = job.restores
+    result: tuple[int, Any] | None = None
+    error: BaseException | None = None
+    try:
+        result = _restore_here(path, like, step)
+    except Exception as e:  # noqa: BLE001 - shared with the other processes, then raised
+        error = e
+    _agree(job, f"restore/{call}", f"restoring {path}", error, timeout)
+    assert result is not None
+    return result
+
+
+def _restore_here(path: str, like: Any, step: int | None) -> tuple[int, Any]:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    found = _steps(path)
+    if step is None:
+        if not found:
+            raise FileNotFoundError(f"{path} holds no committed checkpoint{_interrupted(path)}")
+        step = found[-1]
+    elif step not in found:
+        raise FileNotFoundError(f"{path} has no committed step {step}; its steps are {found}"
+                                f"{_interrupted(path)}")
+    where = f"{path} step {step}"
+    item = epath.Path(path) / _NAMES.build_name(step) / _ITEM
+    if not item.is_dir():
+        raise CheckpointError(f"{where} has no {_ITEM!r} directory ({item}); it is not a checkpoint "
+                              "that tpudist.checkpoint.save wrote")
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        if not (item / "_METADATA").exists():
+            raise CheckpointError(f"{where} is incomplete: its tree metadata {item / '_METADATA'} "
+                                  "is missing")
+        try:
+            metadata = handler.metadata(item)
+        except Exception as e:  # noqa: BLE001 - re-raised with the path
+            raise CheckpointError(f"{where} is corrupt: cannot read its tree metadata in {item} "
+                                  f"({_reason(e)})") from e
+        _tree.check(metadata.tree, like, where)
+        _tree.block_until_ready(like)
+        target, restore_args = _tree.restore_plan(like)
+        try:
+            restored = handler.restore(item, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+        except Exception as e:  # noqa: BLE001 - re-raised with the path
+            raise CheckpointError(f"{where} is incomplete or corrupt: {_reason(e)}") from e
+    finally:
+        handler.close()
+    return step, _tree.like_kinds(like, restored)
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost message of an exception chain (TensorStore's status, e.g. `NOT_FOUND: Error
+    reading "w/0.0" in OCDBT database ...`), without TensorStore's spec dump."""
+    chain: list[BaseException] = []
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    deepest = next((x for x in reversed(chain) if str(x).strip()), chain[0])
+    text = str(deepest).split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
+    return " ".join(text.split())
+
+
+def _agree(job: _Job, key: str, what: str, error: BaseException | None, timeout: float) -> None:
+    """Every process learns whether every other one succeeded: raises this process's own error,
+    else CheckpointError naming the first other process that failed."""
+    client = _runtime.kv_client()
+    if client is None:
+        if error is not None:
+            raise error
+        return
+    prefix = f"tpudist/checkpoint/{key}/"
+    rank, world = job.job.rank, job.job.world_size
+    client.key_value_set(prefix + str(rank), "" if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for other in range(world):
+        if other == rank:
+            continue
+        try:
+            outcome = client.blocking_key_value_get(prefix + str(other), int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - a deadline, reported as such
+            raise CheckpointError(f"process {other} did not finish {what} within {timeout:g}s") from e
+        if outcome:
+            raise CheckpointError(f"process {other} failed {what}, so process {rank} loaded nothing "
+                                  f"either: {outcome}")
