@@ -16,16 +16,21 @@ and takes any other per-batch step as `step_fn` (`eager_step`: eager torch plus 
 
 from __future__ import annotations
 
+import itertools
+import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 import tpudist
 from tpudist.collectives import all_gather, all_reduce
+from tpudist import _resume
 from tpudist.compile._torch._loader import device_loader
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
@@ -261,8 +266,9 @@ class _Progress:
 
 def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
         loss_fn: Callable[..., torch.Tensor] | None = None, epochs: int = 1, *, step_fn: StepFn | None = None,
-        shard: bool = True, accumulate_steps: int = 1, progress: bool | None = None,
-        log: bool = True) -> list[dict[str, float]]:
+        shard: bool = True, accumulate_steps: int = 1, lr_scheduler: Any = None,
+        checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+        progress: bool | None = None, log: bool = True) -> list[dict[str, float]]:
     """Trains `model` data-parallel across every process; returns one record per epoch.
 
     Call it on every process. With `shard=True` every process iterates the same `loader` (same
@@ -281,58 +287,140 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     the model returns its loss (`output.loss`). `accumulate_steps=K` makes every K consecutive
     batches of a process one optimizer step (their gradients averaged, as `loss / K` then
     `backward()` K times in torch would); a last group of fewer than K batches is dropped.
-    Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
-    a terminal, and prints one line per epoch if `log`.
+    `lr_scheduler.step()` runs once per optimizer step.
 
-    Each record: {"epoch", "loss" (mean over steps and processes of the local losses), "examples"
-    (all processes), "seconds", "examples_per_s"}. Example::
+    With `checkpoint_dir` (fused step only) the whole training state (model, optimizer, scheduler,
+    epoch and position in the loader, RNG states) is saved there every `checkpoint_every`
+    optimizer steps (asynchronously) and at the end, with `tpudist.checkpoint` (orbax); and if the
+    directory already holds a checkpoint, training resumes from it, whatever the model's current
+    values: a job restarted after a failure (`--max-restarts`) ends bit-identical to one that was
+    never interrupted. A SIGTERM (a maintenance event, the launcher stopping the job) then makes
+    every process save at the same step (agreed inside the step's all-reduce) and exit with status
+    143. Records of a resumed epoch cover the steps run since the resume.
+
+    Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
+    a terminal, and prints one line per epoch if `log`. Each record: {"epoch", "loss" (mean over
+    steps and processes of the local losses), "examples" (all processes), "seconds",
+    "examples_per_s"}. Example::
 
         history = tpudist.fit(model, loader, torch.optim.Adam(model.parameters()), F.mse_loss, epochs=2)
         history[-1]["loss"]
         tpudist.fit(bert, hf_loader, torch.optim.AdamW(bert.parameters(), lr=5e-5))   # the model's loss
+        tpudist.fit(model, loader, opt, F.cross_entropy, 10, lr_scheduler=sched,
+                    checkpoint_dir="/ckpt/run1", checkpoint_every=500)              # restartable
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
     if not isinstance(accumulate_steps, int) or isinstance(accumulate_steps, bool) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps={accumulate_steps!r} must be a positive int")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be a positive int or None")
+    if checkpoint_dir is not None and step_fn is not None:
+        raise ValueError("fit(checkpoint_dir=...) checkpoints the fused step's device state; with step_fn= save "
+                         "model.state_dict() and optimizer.state_dict() with tpudist.checkpoint.save yourself")
     rank, count = tpudist.process_index(), tpudist.process_count()
     fused = step_fn is None
     step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps)
     total = _check_lengths(loader, shard)
     if total is not None:
         total //= accumulate_steps
+    saver = _resume.Checkpointer(checkpoint_dir, step, optimizer, lr_scheduler, loader) if checkpoint_dir else None
+    at = (saver.restore() if saver else None) or _resume.Progress()
+    resumed = at.position > 0
     bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
                     log and rank == 0)
     history: list[dict[str, float]] = []
     model.train()
-    try:
-        for epoch in range(1, epochs + 1):
-            bar.epoch(epoch, epochs, total)
-            losses: list[Any] = []  # on the devices until the epoch's end: no step waits for its loss
-            examples = 0
-            start = time.perf_counter()
-            batches = _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps)
-            if fused:  # each batch moves to the devices while the step before it runs
-                batches = device_loader(batches, mesh=step.mesh)
-            try:
-                for batch in batches:
-                    losses.append(_checked_step(step, batch, fused=fused))
-                    examples += _examples(batch)
-                    bar.update(losses, examples * count / (time.perf_counter() - start))
-            finally:
-                if fused:
-                    batches.close()
-            loss_sum, steps = sum(float(loss) for loss in losses), len(losses)
-            seconds = time.perf_counter() - start
-            # One collective per epoch, not per step: the history's loss and example count.
-            totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
-            loss_total, examples_total, steps_total = totals.tolist()
-            record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
-                      "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
-            history.append(record)
-            bar.end_epoch(record, epochs)
-    finally:
-        bar.close()
-        if fused:
-            step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
+    with _stop_on_sigterm(step if saver else None) as stopping:
+        try:
+            for epoch in range(at.epoch, epochs + 1):
+                at.epoch = epoch
+                if saver is not None:
+                    saver.replay_epoch_start() if resumed else saver.epoch_started()
+                bar.epoch(epoch, epochs, total)
+                losses: list[Any] = []  # on the devices until the epoch's end: no step waits for its loss
+                examples = 0
+                start = time.perf_counter()
+                batches: Iterator[Any] = _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps)
+                if resumed:  # the batches trained on before the restart
+                    batches = itertools.islice(batches, at.position, None)
+                if fused:  # each batch moves to the devices while the step before it runs
+                    batches = device_loader(batches, mesh=step.mesh)
+                try:
+                    for batch in batches:
+                        if resumed and saver is not None:
+                            saver.resume_rng()  # the loader has drawn its shuffle: torch's state of the checkpoint
+                            resumed = False
+                        losses.append(_checked_step(step, batch, fused=fused))
+                        at.position += 1
+                        at.global_step += 1
+                        if lr_scheduler is not None:
+                            lr_scheduler.step()
+                        examples += _examples(batch)
+                        bar.update(losses, examples * count / (time.perf_counter() - start))
+                        if saver is not None and stopping.agreed(step.signal):
+                            saver.save(at, wait=True)
+                            raise _Stopped(at.global_step)
+                        if saver is not None and checkpoint_every and at.global_step % checkpoint_every == 0:
+                            saver.save(at, wait=False)
+                finally:
+                    if fused:
+                        batches.close()
+                resumed = False
+                loss_sum, steps = sum(float(loss) for loss in losses), len(losses)
+                seconds = time.perf_counter() - start
+                # One collective per epoch, not per step: the history's loss and example count.
+                totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
+                loss_total, examples_total, steps_total = totals.tolist()
+                record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
+                          "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
+                history.append(record)
+                bar.end_epoch(record, epochs)
+                at.position = 0
+            if saver is not None:
+                saver.save(at, wait=True)
+        except _Stopped as stopped:
+            if rank == 0:
+                print(f"fit: stopped by SIGTERM after step {stopped.step}; the checkpoint is in {checkpoint_dir}",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(143) from None
+        finally:
+            bar.close()
+            if fused:
+                step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
     return history
+
+
+class _Stopped(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+class _stop_on_sigterm:
+    """While `fit` checkpoints: SIGTERM raises this process's flag in the fused step (see
+    `TrainStep.raise_signal`) instead of ending the process; `agreed(signal)` is true on every
+    process at the same step once any process's flag went through a step's all-reduce. Each call
+    reads the flag of the step before the one just launched (done by then, or nearly), so the
+    host waits for at most one step: one 4-byte read per step while checkpointing."""
+
+    def __init__(self, step: Any):
+        self.step = step
+        self.previous: Any = None
+        self._pending: Any = None
+
+    def __enter__(self) -> "_stop_on_sigterm":
+        if self.step is not None and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.step.raise_signal())
+        return self
+
+    def agreed(self, signal_of_last_step: Any) -> bool:
+        pending, self._pending = self._pending, signal_of_last_step
+        if self.step is None or pending is None:
+            return False
+        from tpudist.compile._torch._state import to_host
+        return float(np.asarray(to_host(pending.addressable_shards[0].data)).reshape(())) > 0
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)

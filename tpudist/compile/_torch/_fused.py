@@ -131,6 +131,19 @@ class TrainStep:
         devices (`state_dict()`, eager calls and `load_state_dict()` do this by themselves)."""
         self.mirror.sync()
 
+    def state(self) -> dict[str, Any]:
+        """The step's training state as it is on the devices, for `tpudist.checkpoint.save`:
+        {"params", "optimizer", "counts", "buffers"}, sharded arrays staying sharded (each process
+        writes its own rows). The torch objects are not read (nor written)."""
+        self.mirror.prepare()
+        return self.mirror.state_tree()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Makes `state` (from `state()`, e.g. `tpudist.checkpoint.restore(d, like=step.state())[1]`)
+        the step's training state; torch's objects see it through the usual doors."""
+        self.mirror.prepare()
+        self.mirror.load_tree(state)
+
     def rng(self) -> jax.Array:
         """The random stream's key data on the devices: drawn from torch's default generator the
         first time, and again whenever `torch.manual_seed` has been called with another seed since,
@@ -144,16 +157,9 @@ class TrainStep:
         return self._rng
 
     def raise_signal(self, raised: bool = True) -> None:
-        """Raise (or lower) this process's flag for the next steps; `signal_agreed()` on every
-        process then says, for the step it was raised in, that some process raised it."""
+        """Raise (or lower) this process's flag for the next steps; every process's `signal` (the
+        agreed flag, a device array, after each step) is then positive for the step it went in."""
         self._signal_raised = raised
-
-    def signal_agreed(self) -> bool:
-        """Whether some process had raised its flag during the last step (waits for that step)."""
-        if self.signal is None:
-            return False
-        from tpudist.compile._torch._state import to_host
-        return float(np.asarray(to_host(self.signal.addressable_shards[0].data)).reshape(())) > 0
 
     def _signal_input(self) -> jax.Array:
         raised = self._signal_raised

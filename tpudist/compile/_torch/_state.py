@@ -259,6 +259,40 @@ class Mirror:
     def _record(self, key: str, tensor: torch.Tensor) -> None:
         self._written[key] = (id(tensor), tensor.data_ptr(), tensor._version)
 
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_tree(self) -> dict[str, Any]:
+        """The training state as it is on the devices (for `tpudist.checkpoint.save`): parameters,
+        optimizer state and step counts per layout entry, and the model's buffers (the newest
+        values: the device's for those a graph updates, torch's for the rest). Needs the device
+        state (`prepare()` first)."""
+        self.flush_owner()
+        buffers = {}
+        for name, buffer in self.model.named_buffers():
+            key = f"model.{name}"
+            buffers[name] = self.named[key] if key in self.named and key in self.updated_keys \
+                else self._put(buffer, False)
+        return {"params": list(self.params), "optimizer": [list(s) for s in self.states], "counts": self.counts,
+                "buffers": buffers}
+
+    def load_tree(self, tree: dict[str, Any]) -> None:
+        """Makes `tree` (from `state_tree`, restored with its shardings) the training state: the
+        device arrays directly, the buffers through torch (small; uploaded by the next step)."""
+        self.flush_owner()
+        self.params = list(tree["params"])
+        self.states = [tuple(s) for s in tree["optimizer"]]
+        self.counts = tree["counts"]
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                if name in tree["buffers"]:
+                    _write(buffer, self._host(tree["buffers"][name], False))
+        for key in list(self.named):  # buffers the graphs read: re-read from torch
+            if key.startswith("model."):
+                self.named[key] = self._put(self.named_sources[key](), False)
+        self.generation += 1
+        self.device_current = True
+        self.torch_current = False  # torch's parameters and optimizer state: at the next door
+
     def torch_changed(self) -> None:
         """torch's objects were loaded from elsewhere: they are the truth for the next step."""
         self.device_current = False

@@ -1,0 +1,68 @@
+"""`fit` resumes exactly: a job killed mid-epoch and restarted by the launcher, or stopped by
+SIGTERM and started again, ends bit-identical to one that ran straight through (2 processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parent / "resume_job.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(*args: str, restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpudist.xla_dist", "--local", "--nproc-per-host", "2",
+                           "--max-restarts", str(restarts), "--", sys.executable, str(JOB), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> str:
+    """The uninterrupted run's final hash."""
+    tmp = tmp_path_factory.mktemp("straight")
+    done = launch(str(tmp / "ckpt"), "-1", str(tmp / "out"), "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return (tmp / "out").read_text()
+
+
+def test_a_rank_killed_mid_epoch_restarts_and_ends_bit_identical(straight, tmp_path):
+    start = time.monotonic()
+    done = launch(str(tmp_path / "ckpt"), "40", str(tmp_path / "out"), "3", restarts=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "attempt 1 failed; restarting" in done.stderr and "rank 1 on localhost (worker 0): SIGKILL" in done.stderr
+    assert (tmp_path / "out").read_text() == straight   # parameters, optimizer state and LR: bit for bit
+    print(f"kill and resume: {time.monotonic() - start:.1f} s")
+
+
+def test_sigterm_saves_at_an_agreed_step_and_a_new_job_resumes(straight, tmp_path):
+    from tpudist import checkpoint
+    ckpt = tmp_path / "ckpt"
+    job = subprocess.Popen([sys.executable, "-m", "tpudist.xla_dist", "--local", "--nproc-per-host", "2",
+                            "--stop-grace", "20", "--", sys.executable, str(JOB), str(ckpt), "-1",
+                            str(tmp_path / "out"), "3"], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    lines = []
+    deadline = time.monotonic() + 180
+    for line in job.stdout:  # stop it once the first epoch is done: mid-run
+        lines.append(line)
+        if "epoch 1/3" in line or time.monotonic() > deadline:
+            break
+    stopped = time.monotonic()
+    job.send_signal(signal.SIGINT)  # Ctrl-C: the launcher sends SIGTERM to every process
+    out, _ = job.communicate(timeout=60)
+    output = "".join(lines) + out
+    assert job.returncode == 130, output
+    assert "fit: stopped by SIGTERM after step" in output, output
+    assert "exit 143 (stopped)" in output, output  # both processes ended by themselves, after saving
+    saved = checkpoint.latest_step(ckpt)
+    assert saved is not None and 16 <= saved < 48, (saved, output)
+    print(f"stop to exit: {time.monotonic() - stopped:.1f} s, saved at step {saved}")
+    done = launch(str(ckpt), "-1", str(tmp_path / "out"), "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "out").read_text() == straight
