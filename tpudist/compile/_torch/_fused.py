@@ -31,7 +31,7 @@ from tpudist.compile._torch._lazy import LazyScalar
 from tpudist.compile._torch._loader import DeviceBatch, batch_rows
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
-from tpudist.compile._torch._placement import AXIS, Placement
+from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch._plan import Layout, Objective, plan
 from tpudist.compile._torch._state import Mirror
 
@@ -94,6 +94,10 @@ class TrainStep:
         self._signal_raised = False
         self._signal_inputs: dict[bool, jax.Array] = {}
         self.signal: jax.Array | None = None
+        # the last step's signature, reused while nothing it depends on changed
+        self._last: tuple | None = None
+        self._last_keys: tuple | None = None
+        self._last_rows = 0
 
     def __repr__(self) -> str:
         return (f"TrainStep({type(self.model).__name__}, {type(self.optimizer).__name__}, "
@@ -115,15 +119,23 @@ class TrainStep:
                                 f"got {type(batch).__name__}"
                                 + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
                                 + "; with loss_fn=None it takes the model's inputs, targets included")
-            leaves, spec = tree_flatten(batch)
-            leaves = [torch.as_tensor(x) if isinstance(x, np.ndarray) else x for x in leaves]
-            rows = batch_rows(leaves, self.local_devices * self.accumulate_steps, self.accumulate_steps)
+            leaves, spec = _flatten(batch)
             keys = tuple(_leaf_key(t) for t in leaves)
+            if keys != self._last_keys:  # a batch of another shape: check it (equal shapes passed before)
+                rows = batch_rows(leaves, self.local_devices * self.accumulate_steps, self.accumulate_steps)
+            else:
+                rows = self._last_rows
         self.stats.calls += 1
-        key = (tuple(m.training for m in self._submodules), spec, keys, autocast_state())
+        flags = tuple(m.training for m in self._submodules)
+        last = self._last
+        if last is not None and keys == self._last_keys and flags == last[0] and spec == last[1] \
+                and autocast_state() == last[2] and self._optimizer_structure() == self._structure:
+            return last[3](leaves, isinstance(batch, DeviceBatch))  # the same signature as the last step
+        key = (flags, spec, keys, autocast_state())
         program = self._programs.get(key)
         if program is None or self._optimizer_structure() != self._structure:
             program = self._new_signature(key, spec, leaves, keys, rows)
+        self._last, self._last_keys, self._last_rows = (flags, spec, key[3], program), keys, rows
         return program(leaves, isinstance(batch, DeviceBatch))
 
     def sync(self) -> None:
@@ -171,7 +183,7 @@ class TrainStep:
     def hyperparameters(self) -> jax.Array:
         """Every param group's row of hyperparameters on the devices, re-sent only when one changed
         (an LR schedule, a hand edit)."""
-        rows = [_optim.hyper_row(_optim.config(self.kind, self.optimizer, g), g) for g in self.optimizer.param_groups]
+        rows = [_optim.hyper_row(self.kind, g) for g in self.optimizer.param_groups]
         if rows != self._hyper_rows:
             self._hyper_rows = rows
             self._hyper = self.placement.put(np.asarray(rows, np.float32).reshape(len(rows), _optim.FIELDS), False)
@@ -228,6 +240,21 @@ class _Signature:
         self.updated: list[jax.Array] = []
         self._generation = -1
         self._no_rng: jax.Array | None = None
+        self._batches: tuple[Any, Any] = (None, None)
+        # small batch tensors on a CPU mesh: copied into reused device buffers (see Staging)
+        tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(example) if isinstance(leaf, torch.Tensor)]
+        batch_examples = [tensors[i] for i in self.plan.batch_leaves] if len(tensors) == len(
+            torch.utils._pytree.tree_leaves(example)) else []
+        self._staging: Staging | None = None
+        self._staged_dtypes: list[torch.dtype] = []
+        if batch_examples and all(Staging.fits(owner.placement, t) for t in batch_examples):
+            rows = owner.local_devices * owner.accumulate_steps
+            full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in batch_examples]
+            try:
+                self._staging = Staging(owner.placement, full)
+                self._staged_dtypes = [t.dtype for t in batch_examples]
+            except RuntimeError:  # this platform copies host memory on import: no reuse possible
+                self._staging = None
         owner.mirror.register(self.plan.fixed, self.plan.updated)
 
     def __call__(self, leaves: list[Any], on_device: bool) -> LazyScalar:
@@ -242,7 +269,13 @@ class _Signature:
             self.updated = [mirror.named[k] for k, _ in plan.updated]
             self._generation = mirror.generation
         put = owner.placement.put
-        batch = [leaves[i] if on_device else put(leaves[i], split=True) for i in plan.batch_leaves]
+        staged = None
+        if on_device:
+            batch = [leaves[i] for i in plan.batch_leaves]
+        elif self._staging is not None and all(leaves[i].dtype == d for i, d in zip(plan.batch_leaves, self._staged_dtypes)):
+            batch, staged = self._staging.put([leaves[i] for i in plan.batch_leaves])
+        else:
+            batch = [put(leaves[i], split=True) for i in plan.batch_leaves]
         if self.random:
             rng = owner.rng()
         else:
@@ -258,6 +291,12 @@ class _Signature:
             jax.block_until_ready(self._in_flight)  # see CompiledStep: multi-device CPU steps must not overlap
         params, self.updated, states, counts, losses, rng, owner.signal = self._executable(*args)
         self._in_flight = losses
+        if staged is not None:
+            self._staging.used(staged, losses)
+        else:
+            # imported batch buffers are torch's: released here two steps on, when XLA is done with
+            # them, rather than by XLA's thread as the step ends (it would wait for this thread's GIL)
+            self._batches = (batch, self._batches[0])
         mirror.stepped(params, states, counts, self)
         self._generation = mirror.generation
         if self.random:
@@ -266,6 +305,21 @@ class _Signature:
         # before optimizer.step()" warning: the update did run, inside the executable
         owner.optimizer._opt_called = True  # type: ignore[attr-defined]
         return LazyScalar(losses)
+
+
+def _flatten(batch: Any) -> tuple[list[Any], Any]:
+    """The batch's leaves (numpy arrays as tensors) and structure; a tuple of tensors (the common
+    case) without walking the pytree machinery."""
+    if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
+        spec = _TUPLE_SPECS.get(len(batch))
+        if spec is None:
+            spec = _TUPLE_SPECS[len(batch)] = tree_flatten(batch)[1]
+        return list(batch), spec
+    leaves, spec = tree_flatten(batch)
+    return [torch.as_tensor(x) if isinstance(x, np.ndarray) else x for x in leaves], spec
+
+
+_TUPLE_SPECS: dict[int, Any] = {}
 
 
 def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,

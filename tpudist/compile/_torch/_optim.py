@@ -72,14 +72,14 @@ def config(kind: str, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -
 FIELDS = 8  # width of the hyperparameter table
 
 
-def hyper_row(cfg: ParamConfig, group: dict[str, Any]) -> list[float]:
+def hyper_row(kind: str, group: dict[str, Any]) -> list[float]:
     """One param group's row of the hyperparameter table (read on the host every step).
 
     sgd:  lr, momentum, dampening, weight_decay
     adam: lr, log(beta1), log(beta2), beta1, beta2, eps, weight_decay, 1 - lr * weight_decay
     """
     lr, wd = _float(group["lr"]), _float(group["weight_decay"])
-    if cfg.kind == "sgd":
+    if kind == "sgd":
         return [lr, _float(group["momentum"]), _float(group["dampening"]), wd, 0.0, 0.0, 0.0, 0.0]
     beta1, beta2 = (_float(b) for b in group["betas"])
     return [lr, math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
