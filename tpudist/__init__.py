@@ -61,6 +61,13 @@ _EXPORTS = {
     "UnsupportedOpError": "tpudist.compile",
     "CaptureError": "tpudist.compile",
     "CompiledModule": "tpudist.compile",
+    # seeing inside: traces and spans
+    "profile": "tpudist._profile",
+    "start_profile": "tpudist._profile",
+    "stop_profile": "tpudist._profile",
+    "span": "tpudist._profile",
+    "traced": "tpudist._profile",
+    "profiling": "tpudist._profile",
     # training loops
     "optimizer_step": "tpudist._training",
     "fit": "tpudist._training",
