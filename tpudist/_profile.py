@@ -47,7 +47,7 @@ class _Idle:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:  # not *exc: no tuple per call
         return None
 
     def __call__(self, fn: Any) -> Any:

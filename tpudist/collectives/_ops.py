@@ -109,7 +109,24 @@ def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
 
 def _span(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
     """The profile span of one eager call, named by its signature as peers compare it:
-    `tpudist.all_reduce[float32(4,5) sum groups=[[0,1],[2,3]]]`. Built only while profiling."""
+    `tpudist.all_reduce[float32(4,5) sum groups=[[0,1],[2,3]]]`. Built only while profiling; a
+    single value's name is kept per repeat key (formatting it costs more than the span)."""
+    key = None
+    fp = _convert.fingerprint(x)
+    if fp[0] != "scalar" or fp[1] in (bool, int, float):  # one leaf, fully described by fp
+        key = _repeat_key(name, params, x, groups)
+    label = _span_labels.get(key) if key is not None else None
+    if label is None:
+        label = _span_label(name, params, x, groups)
+        if key is not None and len(_span_labels) < 4096:
+            _span_labels[key] = label
+    return _profile.span(label[0], bytes=label[1])
+
+
+_span_labels: dict[Any, tuple[str, int]] = {}
+
+
+def _span_label(name: str, params: dict[str, Any], x: Any, groups: Any) -> tuple[str, int]:
     try:
         descs = [_convert.describe(leaf) for leaf in jax.tree_util.tree_leaves(x)]
     except TypeError:
@@ -124,7 +141,7 @@ def _span(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
     if groups is not None:
         parts.append(f"groups={groups}".replace(" ", ""))
     label = " ".join(p for p in parts if p)
-    return _profile.span(f"tpudist.{name}[{label}]", bytes=sum(d.nbytes for d in descs))
+    return f"tpudist.{name}[{label}]", sum(d.nbytes for d in descs)
 
 
 def _eager_run(name: str, params: dict[str, Any], x: Any, groups: Any,
