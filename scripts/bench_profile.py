@@ -48,13 +48,13 @@ def _span_costs(n: int = 100_000) -> dict[str, float]:
                              ("with span(name)", with_span), ("with span(name, rows=3)", with_fields))}
 
 
-def job(index: int, calls: int, steps: int, rounds: int, directory: str) -> dict:
+def job(index: int, calls: int, steps: int, rounds: int, directory: str, never: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    profiled = "profile" in dir(tpudist)
+    profiled = "profile" in dir(tpudist) and not never
     x = np.ones(256, np.float32)  # 1 KiB
     mesh = tpudist.mesh.make_mesh({"data": -1})
 
@@ -108,10 +108,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="all_reduce calls per phase")
     parser.add_argument("--steps", type=int, default=500, help="compiled steps per phase")
     parser.add_argument("--rounds", type=int, default=5, help="off/on alternations")
+    parser.add_argument("--never", action="store_true", help="only the unprofiled phase (a baseline)")
     parser.add_argument("--json", default="bench-results/profile.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        results = tpudist.spawn(job, args=(args.calls, args.steps, args.rounds, directory), nprocs=2,
+        results = tpudist.spawn(job, args=(args.calls, args.steps, args.rounds, directory, args.never), nprocs=2,
                                 cpu_devices=1, timeout=1800)
     first = results[0]
     print(f"{'profile':8} {'all_reduce 1 KiB (us)':>22} {'compiled step (us)':>19}")
