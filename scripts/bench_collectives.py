@@ -7,6 +7,11 @@ busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JS
 
     python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json]
                                         [--collectives all_reduce all_gather reduce_scatter]
+    python scripts/bench_collectives.py --plot-only docs/bench/collectives_cpu_run6.json
+
+Beside the JSON it draws `<json stem>.png`: the ratio against message size, one line per collective
+and process count (scripts/_plots.py; needs matplotlib, the `bench` extra). `--plot-only JSON`
+draws an earlier run's picture without running anything.
 
 Size is the full buffer, as in nccl-tests: all_reduce's input, all_gather's output,
 reduce_scatter's input. busbw = algbw * 2(n-1)/n for all_reduce and (n-1)/n for the others.
@@ -145,7 +150,12 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per measurement (approx.)")
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     parser.add_argument("--json", default="bench-results/collectives.json")
+    parser.add_argument("--plot-only", metavar="JSON", help="draw JSON's picture (JSON stem + .png) and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            print(f"PNG: {plot(json.load(f)['rows'], args.plot_only)}")
+        return
     byte_sizes = sizes(_parse_bytes(args.max_bytes), _parse_bytes(args.min_bytes))
     rows: list[dict] = []
     for n in args.procs:
@@ -165,6 +175,20 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
     print(f"JSON: {args.json}")
+    try:
+        print(f"PNG: {plot(rows, args.json)}")
+    except ImportError as e:
+        print(f"no PNG: {e} (pip install -e .[bench] for matplotlib)")
+
+
+def plot(rows: list[dict], json_path: str) -> str:
+    """Draws rows' ratio-vs-size picture beside `json_path` (same stem, .png); returns its path."""
+    import _plots  # scripts/_plots.py, beside this script
+    png = os.path.splitext(json_path)[0] + ".png"
+    procs = sorted({r["procs"] for r in rows})
+    _plots.ratio_vs_size(rows, png, title=f"tpudist / torch.distributed gloo on CPU, "
+                                           f"{' and '.join(map(str, procs))} processes ({os.path.basename(json_path)})")
+    return png
 
 
 if __name__ == "__main__":

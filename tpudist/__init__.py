@@ -63,6 +63,15 @@ _EXPORTS = {
     "UnsupportedOpError": "tpudist.compile",
     "CaptureError": "tpudist.compile",
     "CompiledModule": "tpudist.compile",
+    # seeing inside: traces, spans, TensorBoard scalars
+    "profile": "tpudist._profile",
+    "start_profile": "tpudist._profile",
+    "stop_profile": "tpudist._profile",
+    "span": "tpudist._profile",
+    "traced": "tpudist._profile",
+    "profiling": "tpudist._profile",
+    "ScalarLog": "tpudist._metrics",
+    "read_scalars": "tpudist._metrics",
     # training loops
     "optimizer_step": "tpudist._training",
     "fit": "tpudist._training",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpudist import _profile
+
 _DL_CPU = 1  # DLPack's kDLCPU
 
 
@@ -25,6 +27,13 @@ def import_buffer(buffer: Any, device: Any) -> Any | None:
     moved, a dtype DLPack cannot carry, an unaligned buffer); the caller then takes the public path
     (`jax.dlpack.from_dlpack` or `jax.device_put`, a copy).
     """
+    if _profile.active:  # a host -> device crossing, named on the trace
+        with _profile.span("tpudist.import_buffer", bytes=getattr(buffer, "nbytes", -1)):
+            return _import_buffer(buffer, device)
+    return _import_buffer(buffer, device)
+
+
+def _import_buffer(buffer: Any, device: Any) -> Any | None:
     try:
         from jax._src.lib import _jax
         return _jax.dlpack_managed_tensor_to_buffer(buffer.__dlpack__(), device, None, None, _DL_CPU)
@@ -41,6 +50,13 @@ def assemble(shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
     `jax.make_array_from_single_device_arrays`, whose checks hold by construction for tpudist's
     callers. Public fallback: that call, where the private constructor moved.
     """
+    if _profile.active:
+        with _profile.span("tpudist.assemble", shape=str(shape)):
+            return _assemble(shape, sharding, shards)
+    return _assemble(shape, sharding, shards)
+
+
+def _assemble(shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
     import jax
     try:
         from jax._src import array as jax_array

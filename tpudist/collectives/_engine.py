@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpudist import _runtime, contract
+from tpudist import _profile, _runtime, contract
 from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.collectives._peers import CollectiveError, CollectiveTimeout, Peers
 
@@ -128,11 +128,13 @@ class Engine:
             if signature is None:
                 deadline = time.monotonic() + self.peers.timeout
                 try:
-                    self.peers.check(seq, op.name, _described(op, groups, blocks), deadline)
+                    with _profile.span(f"tpudist.peer_check[{op.name}]", collective=seq):
+                        self.peers.check(seq, op.name, _described(op, groups, blocks), deadline)
                 except CollectiveTimeout:
                     self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
                     raise
-                signature = self._signatures[key] = self._compile(op, groups, blocks)
+                with _profile.span(f"tpudist.compile_collective[{op.name}]"):
+                    signature = self._signatures[key] = self._compile(op, groups, blocks)
             return self._execute(op, seq, signature.executable, signature.inputs(blocks, self.device))
 
     def repeat(self, op: Op, groups: tuple[tuple[int, ...], ...],

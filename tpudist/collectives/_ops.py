@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpudist import _profile
 from tpudist.collectives import _convert, _lax
 from tpudist.collectives._engine import SLOT, Engine, Op, engine, normalize_groups
 
@@ -99,7 +100,54 @@ def _divisible(leaf: _convert.Leaf, dim: int, size: int, what: str) -> None:
 def _eager(name: str, params: dict[str, Any], x: Any, groups: Any,
            body: Callable[[list[jax.Array], int], list[jax.Array]],
            check: Callable[[list[_convert.Leaf], int], None] | None = None,
-           detail: tuple[tuple[str, Any], ...] = ()) -> Any:
+           detail: tuple[tuple[str, Any], ...] = (), traced: bool = True) -> Any:
+    if traced and _profile.active:
+        with _span(name, params, x, groups):
+            return _eager_run(name, params, x, groups, body, check, detail)
+    return _eager_run(name, params, x, groups, body, check, detail)
+
+
+def _span(name: str, params: dict[str, Any], x: Any, groups: Any) -> Any:
+    """The profile span of one eager call, named by its signature as peers compare it:
+    `tpudist.all_reduce[float32(4,5) sum groups=[[0,1],[2,3]]]`. Built only while profiling; a
+    single value's name is kept per repeat key (formatting it costs more than the span)."""
+    key = None
+    fp = _convert.fingerprint(x)
+    if fp[0] != "scalar" or fp[1] in (bool, int, float):  # one leaf, fully described by fp
+        key = _repeat_key(name, params, x, groups)
+    label = _span_labels.get(key) if key is not None else None
+    if label is None:
+        label = _span_label(name, params, x, groups)
+        if key is not None and len(_span_labels) < 4096:
+            _span_labels[key] = label
+    return _profile.span(label[0], bytes=label[1])
+
+
+_span_labels: dict[Any, tuple[str, int]] = {}
+
+
+def _span_label(name: str, params: dict[str, Any], x: Any, groups: Any) -> tuple[str, int]:
+    try:
+        descs = [_convert.describe(leaf) for leaf in jax.tree_util.tree_leaves(x)]
+    except TypeError:
+        descs = []  # the call itself reports what it does not take
+    parts = [" ".join(f"{d.dtype}({','.join(map(str, d.shape))})" for d in descs[:4])
+             + (f" +{len(descs) - 4} more" if len(descs) > 4 else "")]
+    for k, v in params.items():
+        if k == "op":
+            parts.append(v)
+        elif not (k == "scale" and v == 1.0):
+            parts.append(f"{k}={v}".replace(" ", ""))
+    if groups is not None:
+        parts.append(f"groups={groups}".replace(" ", ""))
+    label = " ".join(p for p in parts if p)
+    return f"tpudist.{name}[{label}]", sum(d.nbytes for d in descs)
+
+
+def _eager_run(name: str, params: dict[str, Any], x: Any, groups: Any,
+               body: Callable[[list[jax.Array], int], list[jax.Array]],
+               check: Callable[[list[_convert.Leaf], int], None] | None,
+               detail: tuple[tuple[str, Any], ...]) -> Any:
     eng = engine()
     repeats = _repeats(eng)
     key = _repeat_key(name, params, x, groups)
@@ -220,6 +268,15 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if len(leaves) < 2:
         return _eager("all_reduce", params, x, groups, body, check)
+    if _profile.active:
+        with _span("all_reduce", params, x, groups):
+            return _coalesced_all_reduce(leaves, treedef, params, groups, body, check)
+    return _coalesced_all_reduce(leaves, treedef, params, groups, body, check)
+
+
+def _coalesced_all_reduce(leaves: list[Any], treedef: Any, params: dict[str, Any], groups: Any,
+                          body: Callable[[list[jax.Array], int], list[jax.Array]],
+                          check: Callable[[list[_convert.Leaf], int], None]) -> Any:
     # Coalesce on the host, as DDP's buckets do: one flat buffer and one collective per dtype. The
     # executable then depends only on each buffer's length, so it is compiled once and reused.
     descs = [_convert.describe(leaf) for leaf in leaves]
@@ -230,7 +287,7 @@ def all_reduce(x: Any, op: str = "sum", groups: Sequence[Sequence[int]] | None =
     packed = [np.concatenate([_convert.flat_numpy(leaves[i], descs[i]) for i in idx]) for idx in by_dtype.values()]
     detail = (("number of values", len(leaves)), ("value shapes", [list(d.shape) for d in descs]),
               ("value dtypes", [str(d.dtype) for d in descs]))
-    reduced = _eager("all_reduce", params, packed, groups, body, check, detail)
+    reduced = _eager("all_reduce", params, packed, groups, body, check, detail, traced=False)
     results: list[Any] = [None] * len(leaves)
     for idx, flat in zip(by_dtype.values(), reduced):
         offset = 0
@@ -360,4 +417,7 @@ def collective_permute(x: Any, pairs: Sequence[Sequence[int]], *, axis: str | No
 def barrier(timeout: float | None = None) -> None:
     """Returns once every process of the job has called barrier(); CollectiveTimeout names the
     ranks that did not come within `timeout` seconds (default TPUDIST_COLLECTIVE_TIMEOUT)."""
+    if _profile.active:
+        with _profile.span("tpudist.barrier"):
+            return engine().barrier(timeout)
     engine().barrier(timeout)

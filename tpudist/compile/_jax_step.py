@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tpudist import _profile
+
 log = logging.getLogger("tpudist.compile")
 
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -184,6 +186,12 @@ class CompiledStep:
     # -- compiling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        if _profile.active:
+            with _profile.span(f"tpudist.step[{self.name}]", call=self.stats.calls + 1):
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args: tuple) -> Any:
         executable, dynamic = self._prepare(args)
         self.stats.calls += 1
         with _stats_lock:
@@ -210,7 +218,11 @@ class CompiledStep:
                 raise ValueError(f"{self.name}: argnum {i} is out of range for {len(args)} arguments")
         static_idx = {i % len(args) for i in self.static_argnums}
         statics = tuple((i, args[i]) for i in sorted(static_idx))
-        dynamic = [self._globalize(i, a) for i, a in enumerate(args) if i not in static_idx]
+        if _profile.active:  # the arguments' crossing to the mesh's devices
+            with _profile.span(f"tpudist.step_inputs[{self.name}]"):
+                dynamic = [self._globalize(i, a) for i, a in enumerate(args) if i not in static_idx]
+        else:
+            dynamic = [self._globalize(i, a) for i, a in enumerate(args) if i not in static_idx]
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
         try:
             key = (treedef, tuple(_leaf_key(x) for x in leaves), statics)
@@ -223,6 +235,10 @@ class CompiledStep:
         return executable, dynamic
 
     def _compile(self, key: Any, dynamic: list[Any], statics: tuple, nargs: int) -> Any:
+        with _profile.span(f"tpudist.compile_step[{self.name}]", signature=len(self._executables) + 1):
+            return self._compile_now(key, dynamic, statics, nargs)
+
+    def _compile_now(self, key: Any, dynamic: list[Any], statics: tuple, nargs: int) -> Any:
         _install_listener()
         static_idx = [i for i, _ in statics]
         dynamic_idx = [i for i in range(nargs) if i not in static_idx]
