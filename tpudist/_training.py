@@ -17,6 +17,7 @@ and takes any other per-batch step as `step_fn` (`eager_step`: eager torch plus 
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import sys
 import threading
@@ -30,7 +31,7 @@ import torch
 
 import tpudist
 from tpudist.collectives import all_gather, all_reduce
-from tpudist import _resume
+from tpudist import _metrics, _resume, contract
 from tpudist.compile._torch._loader import device_loader
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
@@ -268,6 +269,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
         loss_fn: Callable[..., torch.Tensor] | None = None, epochs: int = 1, *, step_fn: StepFn | None = None,
         shard: bool = True, accumulate_steps: int = 1, lr_scheduler: Any = None,
         checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+        log_dir: str | None = None, profile_steps: tuple[int, int] | None = None,
         progress: bool | None = None, log: bool = True) -> list[dict[str, float]]:
     """Trains `model` data-parallel across every process; returns one record per epoch.
 
@@ -298,6 +300,14 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     every process save at the same step (agreed inside the step's all-reduce) and exit with status
     143. Records of a resumed epoch cover the steps run since the resume.
 
+    With `log_dir`, rank 0 writes TensorBoard scalars there (`train/loss` and `train/lr` per
+    step, written at each epoch's end when the losses are read anyway; `epoch/loss`,
+    `epoch/examples_per_s`, `epoch/step_ms`, `epoch/compile_s` per epoch: `tpudist.read_scalars`
+    reads them back), and `profile_steps=(A, B)` records a trace of steps A..B-1 (0-based, counted
+    over the whole run) on every process under `log_dir/rank<R>/` (TensorBoard's profile plugin,
+    Perfetto). The launcher's `--profile DIR --profile-steps A:B` sets this for every process
+    (`TPUDIST_PROFILE_DIR`, `TPUDIST_PROFILE_STEPS`) and copies the traces back.
+
     Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
     a terminal, and prints one line per epoch if `log`. Each record: {"epoch", "loss" (mean over
     steps and processes of the local losses), "examples" (all processes), "seconds",
@@ -325,6 +335,8 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if total is not None:
         total //= accumulate_steps
     saver = _resume.Checkpointer(checkpoint_dir, step, optimizer, lr_scheduler, loader) if checkpoint_dir else None
+    scalars = _metrics.ScalarLog(log_dir, rank) if log_dir is not None else None
+    tracer = _StepProfile.from_settings(log_dir, profile_steps)
     at = (saver.restore() if saver else None) or _resume.Progress()
     resumed = at.position > 0
     bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
@@ -346,14 +358,18 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                     batches = itertools.islice(batches, at.position, None)
                 if fused:  # each batch moves to the devices while the step before it runs
                     batches = device_loader(batches, mesh=step.mesh)
+                lrs: list[float] = []
                 try:
                     for batch in batches:
+                        tracer.before(at.global_step)
                         if resumed and saver is not None:
                             saver.resume_rng()  # the loader has drawn its shuffle: torch's state of the checkpoint
                             resumed = False
+                        lrs.append(float(optimizer.param_groups[0]["lr"]))
                         losses.append(_checked_step(step, batch, fused=fused))
                         at.position += 1
                         at.global_step += 1
+                        tracer.after(at.global_step)
                         if lr_scheduler is not None:
                             lr_scheduler.step()
                         examples += _examples(batch)
@@ -375,6 +391,8 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
                           "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
                 history.append(record)
+                if scalars is not None:
+                    _write_scalars(scalars, record, losses, lrs, at.global_step, step)
                 bar.end_epoch(record, epochs)
                 at.position = 0
             if saver is not None:
@@ -386,9 +404,66 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
             raise SystemExit(143) from None
         finally:
             bar.close()
+            tracer.close()
+            if scalars is not None:
+                scalars.close()
             if fused:
                 step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
     return history
+
+
+def _write_scalars(scalars: Any, record: dict[str, float], losses: list[Any], lrs: list[float],
+                   global_step: int, step: Any) -> None:
+    """One epoch's TensorBoard scalars (rank 0): every step's loss and learning rate, the epoch's."""
+    first = global_step - len(losses)
+    for i, (loss, lr) in enumerate(zip(losses, lrs)):
+        scalars.scalar("train/loss", float(loss), first + i + 1)
+        scalars.scalar("train/lr", lr, first + i + 1)
+    scalars.scalar("epoch/loss", record["loss"], record["epoch"])
+    scalars.scalar("epoch/examples_per_s", record["examples_per_s"], record["epoch"])
+    scalars.scalar("epoch/step_ms", 1e3 * record["seconds"] / max(len(losses), 1), record["epoch"])
+    stats = getattr(step, "stats", None)
+    if stats is not None and hasattr(stats, "compile_seconds"):
+        scalars.scalar("epoch/compile_s", stats.compile_seconds + stats.capture_seconds, record["epoch"])
+    scalars.flush()
+
+
+class _StepProfile:
+    """Records a trace of steps [first, last) with `tpudist.profile`'s start/stop (or nothing)."""
+
+    def __init__(self, directory: str | None, first: int, last: int):
+        self.directory, self.first, self.last = directory, first, last
+        self.on = False
+
+    @classmethod
+    def from_settings(cls, log_dir: str | None, steps: tuple[int, int] | None) -> "_StepProfile":
+        directory = os.environ.get(contract.PROFILE_DIR) or log_dir
+        text = os.environ.get(contract.PROFILE_STEPS)
+        if text:
+            first, _, last = text.partition(":")
+            steps = (int(first), int(last))
+        if steps is None or directory is None:
+            return cls(None, 0, 0)
+        first, last = steps
+        if not 0 <= first < last:
+            raise ValueError(f"profile_steps={steps!r}: give (first, last) with 0 <= first < last (steps [first, last))")
+        return cls(directory, first, last)
+
+    def before(self, step: int) -> None:
+        if self.directory is not None and not self.on and step == self.first:
+            from tpudist import _profile
+            _profile.start_profile(self.directory)
+            self.on = True
+
+    def after(self, step: int) -> None:
+        if self.on and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.on:
+            from tpudist import _profile
+            _profile.stop_profile()
+            self.on = False
 
 
 class _Stopped(Exception):

@@ -58,6 +58,11 @@ SLICE_ID = "MEGASCALE_SLICE_ID"  # this process's slice, RANK // (WORLD_SIZE / N
 
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 
+# Profiling (`--profile DIR --profile-steps A:B`): `fit` traces steps A..B-1 (0-based, B exclusive)
+# into PROFILE_DIR/rank<RANK>/ on each host, which the launcher copies back to DIR when the job ends.
+PROFILE_DIR = "TPUDIST_PROFILE_DIR"  # this host's directory for the traces (job-specific, under /tmp)
+PROFILE_STEPS = "TPUDIST_PROFILE_STEPS"  # "A:B": the steps of fit to trace
+
 # Set for every process tpudist starts unless the user's environment names it (or HUGEPAGES=0):
 # transparent huge pages for glibc's large allocations. XLA:CPU allocates each output buffer afresh,
 # and where the kernel gives huge pages only on request (THP "madvise", the common default) every

@@ -24,6 +24,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tpudist import _profile
 from tpudist.compile._torch import _optim
 from tpudist.compile._torch._body import make_body
 from tpudist.compile._torch._capture import autocast_state, capture
@@ -234,6 +235,7 @@ class _Signature:
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs, per_device=True,
                                 donate_argnums=(0, 2, 3, 4), name=f"train step ({type(owner.model).__name__})")
         self._serialize = self.step._serialize
+        self._span_name = f"tpudist.torch_step[{type(owner.model).__name__}]"
         self._executable: Any = None
         self._in_flight: Any = None
         self.fixed: list[jax.Array] = []
@@ -289,7 +291,11 @@ class _Signature:
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         if self._serialize and self._in_flight is not None:
             jax.block_until_ready(self._in_flight)  # see CompiledStep: multi-device CPU steps must not overlap
-        params, self.updated, states, counts, losses, rng, owner.signal = self._executable(*args)
+        if _profile.active:
+            with _profile.span(self._span_name, call=owner.stats.calls):
+                params, self.updated, states, counts, losses, rng, owner.signal = self._executable(*args)
+        else:
+            params, self.updated, states, counts, losses, rng, owner.signal = self._executable(*args)
         self._in_flight = losses
         if staged is not None:
             self._staging.used(staged, losses)

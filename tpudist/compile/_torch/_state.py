@@ -127,6 +127,11 @@ class Mirror:
             self._upload_changed()
 
     def _upload_all(self) -> None:
+        from tpudist import _profile
+        with _profile.span("tpudist.torch_upload", arrays=len(self.layout)):
+            self._upload_all_now()
+
+    def _upload_all_now(self) -> None:
         self.flush_owner()
         put = self._put
         optimizer_state = self.optimizer.state
@@ -227,6 +232,11 @@ class Mirror:
         state (one crossing per array; nothing to do when torch is already current)."""
         if self.torch_current or not self.device_current:
             return  # torch holds the newest values already
+        from tpudist import _profile
+        with _profile.span("tpudist.torch_sync", arrays=len(self.params)):
+            self._sync()
+
+    def _sync(self) -> None:
         self.flush_owner()
         counts = np.asarray(self._host(self.counts, False), dtype=np.float32).reshape(-1)
         optimizer_state = self.optimizer.state

@@ -1,0 +1,44 @@
+"""`fit(log_dir=..., profile_steps=...)`: TensorBoard scalars that read back equal to the returned
+history, and a trace of the chosen steps holding the fused step's named span."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpudist
+from tpudist import _profile
+
+
+def test_fit_writes_the_history_as_scalars_and_traces_the_chosen_steps(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    history = tpudist.fit(model, loader, opt, F.cross_entropy, epochs=2, lr_scheduler=schedule, log_dir=str(tmp_path),
+                          profile_steps=(2, 4), log=False)
+    scalars = tpudist.read_scalars(tmp_path)
+    # TensorBoard's loader keeps float32: compare through it
+    assert [v for _, v in scalars["epoch/loss"]] == [float(np.float32(r["loss"])) for r in history]
+    assert [s for s, _ in scalars["epoch/loss"]] == [1, 2]
+    assert [v for _, v in scalars["epoch/examples_per_s"]] == [float(np.float32(r["examples_per_s"])) for r in history]
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17))   # every step, numbered from 1
+    np.testing.assert_allclose(np.mean([v for _, v in scalars["train/loss"][:8]]), history[0]["loss"], rtol=1e-6)
+    lrs = [v for _, v in scalars["train/lr"]]
+    assert lrs[:4] == [float(np.float32(0.1))] * 3 + [float(np.float32(0.05))]  # the schedule, step by step
+    assert scalars["epoch/compile_s"][0][1] > 0
+    # the trace of steps 2..3: the fused step's span, two calls of it
+    traces = list((tmp_path / "rank0" / "plugins" / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    data = jax.profiler.ProfileData.from_file(str(traces[0]))
+    names = [e.name for plane in data.planes for line in plane.lines for e in line.events]
+    assert names.count("tpudist.torch_step[Sequential]") == 2, sorted(set(names))[:40]
+    assert not _profile.profiling()
