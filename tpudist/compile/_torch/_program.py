@@ -44,6 +44,8 @@ class Program:
         # fresh callables per program: jit caches per underlying function, and executables()
         # must count this program's executables only
         self._spmd = ProcessMesh(self._run) if captured.collective else None
+        self._compiled_forward: dict[tuple[int, ...], Any] = {}
+        self._compiled_backward: dict[Any, Any] = {}
         if self._spmd is None:
             self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
             self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
@@ -80,9 +82,13 @@ class Program:
         return _apply_vjp(vjp, cotangents)
 
     def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any):
-        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`."""
+        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`, called
+        directly once compiled (jit's dispatch with a static argument costs tens of us a call)."""
         if self._spmd is None:
-            return self._forward_with_vjp(diff, arrays, seed)
+            compiled = self._compiled_forward.get(diff)
+            if compiled is None:
+                compiled = self._compiled_forward[diff] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
+            return compiled(arrays, seed)
         spmd = self._spmd
         arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
         outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
@@ -96,7 +102,11 @@ class Program:
         """Gradients of the differentiated inputs: one XLA executable."""
         if self._spmd is not None:
             return vjp(cotangents)
-        return self._backward(vjp, cotangents)
+        structure = jax.tree_util.tree_structure((vjp, cotangents))
+        compiled = self._compiled_backward.get(structure)
+        if compiled is None:
+            compiled = self._compiled_backward[structure] = self._backward.lower(vjp, cotangents).compile()
+        return compiled(vjp, cotangents)
 
     def _plain_forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
         if self._spmd is None:
@@ -108,7 +118,8 @@ class Program:
     def executables(self) -> int:
         """How many XLA executables this program has compiled so far (0 where JAX cannot say)."""
         jitted = {id(f): f for f in (self._forward, self._forward_with_vjp, self._backward)}.values()
-        return sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted)
+        return (sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted) + len(self._compiled_forward)
+                + len(self._compiled_backward))
 
     # -- one call ------------------------------------------------------------------------------
 
