@@ -200,7 +200,7 @@ class Supervisor:
                           stop_grace=self.config.job.stop_grace)
         if self.sink is None:
             out = self.config.output
-            self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir)
+            self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)
             self.sink.before_first_line = self.status.stop
         self.attempt = Attempt(plan, number=self.restarts.used)
         for worker in range(len(self.hosts)):
