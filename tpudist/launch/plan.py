@@ -194,7 +194,7 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
 
 
 def plan_json(plan: list[ProcessPlan]) -> str:
-    """The `--dry-run` output: `{"processes": [{"host", "worker", "rank", "local_rank", "argv", "env", ...}]}`."""
+    """The `--dry-run` output: `{"processes": [{"host", "worker", "slice", "rank", "argv", "env", ...}]}`."""
     return json.dumps({"processes": [p.to_json() for p in plan]}, indent=2, ensure_ascii=False)
 
 
