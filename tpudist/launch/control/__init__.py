@@ -41,4 +41,5 @@ class Bootstrap(NamedTuple):
 
     @classmethod
     def decode(cls, line: bytes) -> "Bootstrap":
-        return cls(**json.loads(base64.b64decode(line)))
+        fields = json.loads(base64.b64decode(line))  # a newer launcher's extra fields are left out
+        return cls(**{k: v for k, v in fields.items() if k in cls._fields})
