@@ -107,6 +107,7 @@ class LoopbackSshd:
                 "StrictModes no",
                 "UseDNS no",
                 "AllowTcpForwarding yes",
+                "Subsystem sftp internal-sftp",  # as Debian's default config (sftp-server) offers it
                 "GatewayPorts no",
                 "X11Forwarding no",
                 "PrintMotd no",

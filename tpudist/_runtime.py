@@ -101,6 +101,9 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
                     num_processes=job.world_size,
                     process_id=job.rank,
                     initialization_timeout=int(max(1, job.init_timeout)),
+                    # The contract says everything: JAX's own cluster detection (which the launcher's
+                    # Open MPI variables would feed) must not also narrow each process's devices.
+                    cluster_detection_method="deactivate",
                 )
             except Exception as e:  # noqa: BLE001 - re-raised with the job's facts
                 raise RuntimeError(

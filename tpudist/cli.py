@@ -1,7 +1,8 @@
 """The `tpudist` console script.
 
     tpudist launch [launcher flags] -- python train.py    # the same as python -m tpudist.xla_dist
-    tpudist doctor [--hosts ... | --hostfile ... | --tpu ...]   # every cluster source's verdict, and why
+    tpudist doctor [--hosts ... | --hostfile ... | --tpu ...]   # every cluster source's verdict, and why;
+                                                                # whether this host's TPU is free
     tpudist --version
 """
 
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 USAGE = """usage: tpudist {launch,doctor} ...
 
   launch   run a program on every host: tpudist launch [flags] -- python train.py
-  doctor   show which cluster source applies to these flags, and why each does or does not
+  doctor   show which cluster source applies to these flags, and why each does or does not;
+           whether this host's TPU is held by another process or locked, and the fix
 """
 
 
@@ -47,7 +49,8 @@ def _run(argv: list[str]) -> int:
 
 
 def doctor(argv: Sequence[str]) -> int:
-    """Prints every registered cluster source's verdict for these flags, then what would run."""
+    """Prints every registered cluster source's verdict for these flags, then what would run, then
+    this host's TPU preflight. Exit status 1 when no cluster applies or the TPU is not free."""
     from tpudist.launch.args import build_parser, cluster_options
     from tpudist.launch.clusters import choose_cluster, verdicts
 
@@ -60,11 +63,36 @@ def doctor(argv: Sequence[str]) -> int:
         cluster = choose_cluster(options)
     except ValueError as e:
         print(f"\nno cluster: {e}")
-        return 1
+        return 1 | tpu_doctor()
     hosts = ", ".join(str(h) for h in cluster.hosts[:8]) + (" ..." if len(cluster.hosts) > 8 else "")
     print(f"\nchosen: {cluster.source}: {len(cluster.hosts)} host(s): {hosts}"
           + (f"; accelerator {cluster.accelerator_type}" if cluster.accelerator_type else ""))
-    return 0
+    return tpu_doctor()
+
+
+def tpu_doctor() -> int:
+    """This host's TPU: its device nodes, and whether another process or a stale lock holds it
+    (the check every agent makes before a job starts). 1 when it is not free."""
+    import os
+
+    from tpudist import contract
+    from tpudist.launch.agent._tpucheck import check, describe
+
+    devices = os.environ.get(contract.TPU_DEVICES) or contract.DEFAULT_TPU_DEVICES
+    lockfile = os.environ.get(contract.LIBTPU_LOCKFILE) or contract.DEFAULT_LIBTPU_LOCKFILE
+    found = check(devices, lockfile)
+    if not found.checked:
+        print(f"\ntpu: no TPU device node on this host ({devices}): nothing to check")
+        return 0
+    shown = ", ".join(found.devices[:8]) + (" ..." if len(found.devices) > 8 else "")
+    print(f"\ntpu: {len(found.devices)} device node(s): {shown}; "
+          + ("free" if not found.problems else "NOT FREE"))
+    for problem in found.problems:
+        print(f"  {problem.kind}: {describe(problem)}")
+    if found.unreadable:
+        print(f"  ({found.unreadable} processes of other users could not be inspected; run as root to "
+              "see every holder)")
+    return 1 if found.problems else 0
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ The torch-compatible names (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZ
 `torch.distributed.init_process_group("gloo", init_method="env://")` works inside a tpudist job.
 `MASTER_PORT` is always a different port from the JAX coordinator's.
 
-Slices: a job may span several slices joined over DCN. `MEGASCALE_NUM_SLICES` and
-`MEGASCALE_SLICE_ID` are the names libtpu reads (and xpk / JobSet set); ranks are slice-major, so
-slice s holds ranks `[s * P, (s + 1) * P)` with `P = WORLD_SIZE / MEGASCALE_NUM_SLICES`. On TPU
-each device also knows its slice (`device.slice_index`); on a CPU mesh, where devices do not,
-`MEGASCALE_NUM_SLICES` alone emulates slices by grouping the processes that way, and a device's
-slice is its process's (`tpudist.slice_index`, `tpudist.mesh.make_mesh(..., dcn=...)`).
+Slices: a job may span several slices joined over DCN. The `MEGASCALE_*` names are libtpu's, as
+xpk / JobSet manifests and Ray's TPU launcher set them; ranks are slice-major, so slice s holds
+ranks `[s * P, (s + 1) * P)` with `P = WORLD_SIZE / MEGASCALE_NUM_SLICES`. A single-slice job sets
+none of them. On TPU each device also knows its slice (`device.slice_index`); on a CPU mesh, where
+devices do not, `MEGASCALE_NUM_SLICES` alone emulates slices by grouping the processes that way,
+and a device's slice is its process's (`tpudist.slice_index`, `tpudist.mesh.make_mesh(..., dcn=...)`).
+
+Other launchers' names: the launcher also sets what lets a program written for JAX alone join the
+job with `jax.distributed.initialize()` and no arguments (`jax_environ`); tpudist's runtime never
+reads those.
 
 Example::
 
@@ -52,16 +56,39 @@ RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
-# Slices (libtpu's names, as xpk / JobSet set them). Unset: one slice.
+HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
+
+# Slices (libtpu's names, as xpk / JobSet and Ray's TPU launcher set them). Unset: one slice.
 NUM_SLICES = "MEGASCALE_NUM_SLICES"  # slices in the job; WORLD_SIZE / NUM_SLICES processes each
 SLICE_ID = "MEGASCALE_SLICE_ID"  # this process's slice, RANK // (WORLD_SIZE / NUM_SLICES)
-
-HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
+SLICE_COORDINATOR = "MEGASCALE_COORDINATOR_ADDRESS"  # slice 0 worker 0's internal IP (no port)
+SLICE_PORT = "MEGASCALE_PORT"  # the port libtpu's DCN coordinator uses there
+DEFAULT_SLICE_PORT = 8081  # Ray's `get_tpu_coordinator_env_vars` default, as on GKE
 
 # Profiling (`--profile DIR --profile-steps A:B`): `fit` traces steps A..B-1 (0-based, B exclusive)
 # into PROFILE_DIR/rank<RANK>/ on each host, which the launcher copies back to DIR when the job ends.
 PROFILE_DIR = "TPUDIST_PROFILE_DIR"  # this host's directory for the traces (job-specific, under /tmp)
 PROFILE_STEPS = "TPUDIST_PROFILE_STEPS"  # "A:B": the steps of fit to trace
+
+# The TPU preflight (`tpudist doctor`, and each host's agent before a job starts): where the TPU's
+# device nodes and libtpu's lock file are. Overridable for tests (stand-in paths); the launcher
+# reads them from --env, then its own environment, and passes them to every host's agent.
+TPU_DEVICES = "TPUDIST_TPU_DEVICES"  # ":"-separated globs of the TPU device nodes
+LIBTPU_LOCKFILE = "TPUDIST_LIBTPU_LOCKFILE"  # libtpu's lock file
+DEFAULT_TPU_DEVICES = "/dev/accel*:/dev/vfio/[0-9]*"  # v2-v5p: /dev/accel<N>; v5e, v6e: VFIO groups
+DEFAULT_LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+
+# What `jax.distributed.initialize()` without arguments reads (jax 0.10: jax/_src/distributed.py
+# and jax/_src/clusters/). Off a TPU VM, JAX finds the process count and index only through a
+# cluster it recognises; the launcher describes the job as Open MPI's `mpirun` would (the
+# variables of jax/_src/clusters/ompi_cluster.py), with the coordinator named explicitly.
+JAX_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # = COORDINATOR
+JAX_NUM_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"  # = CPU_DEVICES, for a JAX program's own CPU backend
+OMPI_HNP_URI = "OMPI_MCA_orte_hnp_uri"  # its presence is JAX's "launched by mpirun" test
+OMPI_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"  # = WORLD_SIZE
+OMPI_WORLD_RANK = "OMPI_COMM_WORLD_RANK"  # = RANK
+OMPI_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"  # = LOCAL_RANK
+JAX_AUTODETECT = "TPUDIST_JAX_AUTODETECT"  # "0": do not set the OMPI_* variables above
 
 # Set for every process tpudist starts unless the user's environment names it (or HUGEPAGES=0):
 # transparent huge pages for glibc's large allocations. XLA:CPU allocates each output buffer afresh,
@@ -77,7 +104,8 @@ DEFAULT_STOP_GRACE = 3.0
 
 ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
-       CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID)
+       CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID, SLICE_COORDINATOR, SLICE_PORT,
+       PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT)
 
 
 def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:
@@ -86,6 +114,27 @@ def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:
     if any(GLIBC_TUNABLES in e or e.get(HUGEPAGES) == "0" for e in environs):
         return {}
     return {GLIBC_TUNABLES: HUGEPAGE_TUNABLE}
+
+
+def jax_environ(*, coordinator: str, world_size: int, rank: int, local_rank: int,
+                cpu_devices: int | None, environs: tuple[Mapping[str, str], ...] = ()) -> dict[str, str]:
+    """What lets `jax.distributed.initialize()` with no arguments join this job (see above).
+
+    The Open MPI variables are left out when one of `environs` (the user's) has
+    TPUDIST_JAX_AUTODETECT=0, for a program that uses a real MPI library. The local rank they carry
+    makes JAX (off a TPU VM) restrict each process to GPU `LOCAL_RANK`, as under `mpirun`.
+    """
+    env = {JAX_COORDINATOR_ADDRESS: coordinator}
+    if cpu_devices is not None:
+        env[JAX_NUM_CPU_DEVICES] = str(cpu_devices)
+    if not any(e.get(JAX_AUTODETECT) == "0" for e in environs):
+        host = coordinator.rsplit(":", 1)[0]
+        env.update({
+            # jax parses `<jobid>.<vpid>;tcp://<ip>:<port>` only when JAX_COORDINATOR_ADDRESS is unset
+            OMPI_HNP_URI: f"0.0;{'tcp6' if host.startswith('[') else 'tcp'}://{coordinator}",
+            OMPI_WORLD_SIZE: str(world_size), OMPI_WORLD_RANK: str(rank), OMPI_LOCAL_RANK: str(local_rank),
+        })
+    return env
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:

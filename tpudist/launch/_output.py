@@ -2,7 +2,9 @@
 
 Every line is written whole, with its prefix, in one write to the launcher's stdout or stderr (the
 stream the process used), so lines of different processes never interleave mid-line. `--log-dir`
-gets one file per rank with both streams; `--ranks-filter` limits only the console.
+gets one file per rank with both streams; `--ranks-filter` limits only the console. The
+runtime's chatter (lines the agent marked: gloo's connect messages, absl INFO) goes to the log
+files, and to the console only with `-v` (`verbose`).
 
     sink = LogSink("[w{worker} r{rank} {host}] ", plan, ranks={0}, log_dir=None)
     sink.write_batch(logs_message)
@@ -23,8 +25,9 @@ from tpudist.launch.plan import ProcessPlan
 class LogSink:
     def __init__(self, template: str, plan: list[ProcessPlan], *, ranks: Set[int] | None = None,
                  log_dir: str | None = None, stdout: BinaryIO | None = None,
-                 stderr: BinaryIO | None = None) -> None:
+                 stderr: BinaryIO | None = None, verbose: bool = False) -> None:
         self.ranks = ranks
+        self.verbose = verbose
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.lock = threading.Lock()  # shared with anything else the launcher prints
@@ -42,7 +45,7 @@ class LogSink:
         for line in lines:
             if self.log_dir:
                 self._file(line.rank).write(line.data + b"\n")
-            if self.ranks is None or line.rank in self.ranks:
+            if (self.ranks is None or line.rank in self.ranks) and (self.verbose or not line.chatter):
                 (err if line.stream == pb.STDERR else out).append(
                     self.prefixes.get(line.rank, b"") + line.data + b"\n")
         self.flush()

@@ -19,15 +19,17 @@ import re
 from collections.abc import Sequence
 
 from tpudist import contract
-from tpudist.launch.config import (DEFAULT_LOG_PREFIX, PLATFORMS, PREFIX_FIELDS, ClusterOptions, JobOptions,
-                                   LaunchConfig, OutputOptions, ProcessOptions, SshOptions)
+from tpudist.launch.config import (DEFAULT_LOG_PREFIX, DEFAULT_PROFILE_STEPS, PLATFORMS, PREFIX_FIELDS,
+                                   ClusterOptions, JobOptions, LaunchConfig, OutputOptions, ProcessOptions,
+                                   SshOptions)
 
 PROG = "python -m tpudist.xla_dist"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The launcher owns these: a user value would give processes a different idea of the job than the
 # launcher's, so `--env` may not set them.
 RESERVED_ENV = (contract.RANK, contract.WORLD_SIZE, contract.LOCAL_RANK, contract.LOCAL_WORLD_SIZE,
-                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART, contract.STOP_GRACE)
+                contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART, contract.STOP_GRACE,
+                contract.NUM_SLICES, contract.SLICE_ID, contract.PROFILE_DIR)
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -40,12 +42,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cluster.add_argument("--local", action="store_true", help="this machine, without SSH")
     cluster.add_argument("--hosts", metavar="H1,H2", help="SSH hosts, each [user@]host[:port], worker 0 first")
     cluster.add_argument("--hostfile", metavar="FILE", help="MPI/DeepSpeed hostfile: `host slots=N` per line")
-    cluster.add_argument("--tpu", metavar="NAME", help="a Cloud TPU VM slice by name")
+    cluster.add_argument("--tpu", metavar="NAME[,NAME]",
+                         help="a Cloud TPU VM slice by name; several names: one job over all of them")
     where.add_argument("--zone", help="the TPU's zone (default: gcloud's or the metadata server's)")
     where.add_argument("--project", help="the TPU's project (default: gcloud's or the metadata server's)")
     where.add_argument("--internal-ip", action="store_true",
                        help="connect to the TPU workers' internal IPs (default: external, like "
                             "`gcloud compute tpus tpu-vm ssh`)")
+    where.add_argument("--num-slices", type=int, metavar="N",
+                       help="the hosts form N slices in contiguous blocks (one host: its processes "
+                            "do), with MEGASCALE_* set (default: one per --tpu name or hostfile slice=)")
 
     procs = p.add_argument_group("processes")
     procs.add_argument("--nproc-per-host", type=int, metavar="N",
@@ -62,6 +68,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     procs.add_argument("--python", metavar="PATH",
                        help="the interpreter (with tpudist) that runs the agent on every host "
                             "(default: this launcher's own)")
+    procs.add_argument("--profile", metavar="DIR",
+                       help="trace steps of fit on every process and copy the traces back to DIR")
+    procs.add_argument("--profile-steps", metavar="A:B",
+                       help="the steps of fit to trace, 0-based, B exclusive (default %d:%d)"
+                            % DEFAULT_PROFILE_STEPS)
 
     ssh = p.add_argument_group("SSH (~/.ssh/config and the SSH agent are honoured)")
     ssh.add_argument("--ssh-user", metavar="USER")
@@ -85,6 +96,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     job.add_argument("--coordinator-port", type=int, metavar="PORT", help="JAX coordinator port (default: a free one)")
     job.add_argument("--master-port", type=int, metavar="PORT", help="MASTER_PORT (default: a free one)")
     job.add_argument("--dry-run", action="store_true", help="print the plan as JSON and start nothing")
+    job.add_argument("--skip-preflight", action="store_true",
+                     help="start even if a host's TPU is held by another process or its libtpu lock "
+                          "file is stale")
 
     out = p.add_argument_group("output")
     out.add_argument("--log-prefix", default=DEFAULT_LOG_PREFIX, metavar="TEMPLATE",
@@ -92,7 +106,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     out.add_argument("--log-dir", metavar="DIR", help="also write each rank's lines to DIR/rank<R>.log")
     out.add_argument("--ranks-filter", metavar="0,3", help="print only these ranks' lines")
     out.add_argument("--quiet", action="store_true", help="no status or summary, only the processes' lines")
-    out.add_argument("-v", "--verbose", action="store_true", help="say which cluster source was chosen and why")
+    out.add_argument("-v", "--verbose", action="store_true",
+                     help="say which cluster source was chosen and why; show the runtime's connection "
+                          "chatter (gloo, absl INFO)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after --")
     return p
 
@@ -127,10 +143,22 @@ def parse_ranks(value: str | None) -> frozenset[int] | None:
     return ranks
 
 
+def parse_steps(value: str | None, profile_dir: str | None) -> tuple[int, int]:
+    """`--profile-steps "A:B"` -> (A, B); only with --profile."""
+    if value is None:
+        return DEFAULT_PROFILE_STEPS
+    if profile_dir is None:
+        raise ValueError(f"--profile-steps {value} needs --profile DIR (where the traces go)")
+    first, sep, end = value.partition(":")
+    if not sep or not first.strip().isdigit() or not end.strip().isdigit():
+        raise ValueError(f"--profile-steps {value!r} must be A:B, e.g. 10:15 (steps 10..14 of fit)")
+    return int(first), int(end)
+
+
 def cluster_options(ns: argparse.Namespace) -> ClusterOptions:
     """The "where" flags of a parsed command line (also what `tpudist doctor` reads)."""
     return ClusterOptions(local=ns.local, hosts=ns.hosts, hostfile=ns.hostfile, tpu=ns.tpu, zone=ns.zone,
-                          project=ns.project, internal_ip=ns.internal_ip)
+                          project=ns.project, internal_ip=ns.internal_ip, num_slices=ns.num_slices)
 
 
 def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
@@ -154,11 +182,14 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
             command=tuple(command), nproc_per_host=ns.nproc_per_host, cpu_devices=ns.cpu_devices,
             platform=ns.platform, env=parse_env(ns.env),
             workdir=os.path.abspath(ns.workdir) if ns.workdir else os.getcwd(),
-            venv=ns.venv, conda_env=ns.conda_env, python=ns.python),
+            venv=ns.venv, conda_env=ns.conda_env, python=ns.python,
+            profile_dir=os.path.abspath(ns.profile) if ns.profile else None,
+            profile_steps=parse_steps(ns.profile_steps, ns.profile)),
         ssh=SshOptions(user=ns.ssh_user, port=ns.ssh_port, key=ns.ssh_key, known_hosts=ns.known_hosts,
                        accept_new=ns.accept_new_host_keys, connect_timeout=ns.connect_timeout,
                        config_path=ns.ssh_config, fanout=ns.fanout),
         job=JobOptions(start_timeout=ns.start_timeout, stop_grace=ns.stop_grace, max_restarts=ns.max_restarts,
-                       coordinator_port=ns.coordinator_port, master_port=ns.master_port, dry_run=ns.dry_run),
+                       coordinator_port=ns.coordinator_port, master_port=ns.master_port, dry_run=ns.dry_run,
+                       skip_preflight=ns.skip_preflight),
         output=OutputOptions(log_prefix=ns.log_prefix, log_dir=ns.log_dir, ranks=parse_ranks(ns.ranks_filter),
                              quiet=ns.quiet, verbose=ns.verbose))

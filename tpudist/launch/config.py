@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import paramiko
 
 PLATFORMS = ("cpu", "gpu", "tpu")
+DEFAULT_PROFILE_STEPS = (2, 5)  # past the compiling first steps; three steps in the steady state
 
 
 def _check_at_least(flag: str, value: int | None, low: int) -> None:
@@ -54,18 +55,28 @@ class ClusterOptions:
     hostfile: str | None = None
     """`--hostfile FILE`: an MPI/DeepSpeed hostfile, `host slots=N` per line."""
     tpu: str | None = None
-    """`--tpu NAME`: a Cloud TPU VM slice by name (`local`: the slice this VM belongs to)."""
+    """`--tpu NAME[,NAME...]`: Cloud TPU VM slices by name, one job over all of them (`local`: the
+    slice this VM belongs to)."""
     zone: str | None = None
     """`--zone`: the TPU's zone; None: gcloud's configured one."""
     project: str | None = None
     """`--project`: the TPU's project; None: gcloud's configured one."""
     internal_ip: bool = False
     """`--internal-ip`: connect to TPU workers' internal IPs (default: external, as gcloud does)."""
+    num_slices: int | None = None
+    """`--num-slices N`: the hosts (or one host's processes) form N slices, in contiguous blocks;
+    None: one slice per --tpu name, per hostfile `slice=` value, else 1."""
 
     def __post_init__(self) -> None:
         given = [f"--{name}" for name in ("local", "hosts", "hostfile", "tpu") if getattr(self, name)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} both say where to run; give at most one")
+        _check_at_least("--num-slices", self.num_slices, 1)
+
+    @property
+    def tpu_names(self) -> tuple[str, ...]:
+        """The slices `--tpu` names, in slice order (`--tpu a,b`: slice 0 is a)."""
+        return tuple(n.strip() for n in self.tpu.split(",")) if self.tpu else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +101,21 @@ class ProcessOptions:
     """`--conda-env NAME`: the processes run inside this conda environment."""
     python: str | None = None
     """`--python PATH`: the interpreter (with tpudist) that runs the agent; None: the launcher's."""
+    profile_dir: str | None = None
+    """`--profile DIR`: trace steps of `fit` on every process; the traces are copied back to DIR."""
+    profile_steps: tuple[int, int] = DEFAULT_PROFILE_STEPS
+    """`--profile-steps A:B`: the steps of `fit` to trace, 0-based, B exclusive."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))  # normalising, before anyone reads it
         object.__setattr__(self, "env", types.MappingProxyType(dict(self.env)))
+        object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
         _check_at_least("--nproc-per-host", self.nproc_per_host, 1)
         _check_at_least("--cpu-devices", self.cpu_devices, 1)
+        first, end = self.profile_steps
+        if not 0 <= first < end:
+            raise ValueError(f"--profile-steps {first}:{end} must be A:B with 0 <= A < B (steps A..B-1 "
+                             "of fit, counted from 0)")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"--platform {self.platform!r} must be one of {', '.join(PLATFORMS)}")
         if self.venv and self.conda_env:
@@ -158,6 +178,8 @@ class JobOptions:
     """`--master-port`: MASTER_PORT for torch; None: one found free on rank 0's host."""
     dry_run: bool = False
     """`--dry-run`: print the plan as JSON and start nothing."""
+    skip_preflight: bool = False
+    """`--skip-preflight`: start even when a host's TPU is held by another process or locked."""
 
     def __post_init__(self) -> None:
         _check_seconds("--start-timeout", self.start_timeout)
@@ -188,7 +210,7 @@ class OutputOptions:
     quiet: bool = False
     """`--quiet`: no live status or summary, only the processes' lines."""
     verbose: bool = False
-    """`-v`: say which cluster source was chosen and why."""
+    """`-v`: say which cluster source was chosen and why; show the runtime's connection chatter."""
 
     def __post_init__(self) -> None:
         if self.ranks is not None:

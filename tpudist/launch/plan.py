@@ -1,8 +1,11 @@
 """The plan: which process runs where, with which argv and environment.
 
-Ranks are numbered in worker order: worker 0's processes first. Every process gets the environment
-contract of `tpudist.contract` (rank, sizes, coordinator = rank 0's host), the TPU variables on a
-TPU slice, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
+Ranks are numbered in worker order: worker 0's processes first (over several slices, slice-major:
+every host of slice 0, then slice 1, ...). Every process gets the environment contract of
+`tpudist.contract` (rank, sizes, coordinator = rank 0's host), the TPU variables on a TPU slice,
+the `MEGASCALE_*` variables in a job of several slices, what JAX's argument-less
+`jax.distributed.initialize()` reads (`contract.jax_environ`), the profiling variables under
+`--profile`, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
 environment, `GLIBC_TUNABLES` asking for huge pages (`contract.process_defaults`: not when the
 launcher's environment or `--env` sets it or TPUDIST_HUGEPAGES=0) and finally the user's `--env`
 values. `--dry-run` prints exactly this plan.
@@ -54,9 +57,10 @@ class ProcessPlan:
     path_prepend: tuple[str, ...]
     cwd: str
     conda_env: str | None
+    slice: int = 0  # the slice of the job this process belongs to
 
     def to_json(self) -> dict:
-        return {"host": str(self.host), "worker": self.worker, "rank": self.rank,
+        return {"host": str(self.host), "worker": self.worker, "slice": self.slice, "rank": self.rank,
                 "local_rank": self.local_rank, "argv": list(self.argv), "env": dict(self.env),
                 "path_prepend": list(self.path_prepend), "cwd": self.cwd, "conda_env": self.conda_env}
 
@@ -83,6 +87,47 @@ def processes_per_host(procs: ProcessOptions, cluster: Cluster) -> list[int]:
         from tpudist.launch import tpu  # only needed on a TPU
         default = tpu.default_nproc_per_host(cluster)
     return [host.slots or default for host in cluster.hosts]
+
+
+def process_slices(cluster: Cluster, counts: list[int]) -> list[int]:
+    """Each rank's slice: ranks are slice-major and every slice has W / S of the W processes.
+
+    Hosts belong to slices in contiguous blocks (`cluster.host_slices`); a one-host cluster with
+    S slices splits its processes (`--local --nproc-per-host 4 --num-slices 2`: 0-1 and 2-3).
+    Raises ValueError showing the arithmetic when the processes do not split into equal slices.
+    """
+    slices, world = cluster.num_slices, sum(counts)
+    if slices == 1:
+        return [0] * world
+    if world % slices:
+        raise ValueError(f"{world} processes do not split into {slices} slices of equal size "
+                         f"({world} / {slices} is not whole); every slice runs the same number of "
+                         "processes: change --nproc-per-host or the slice count")
+    per = world // slices
+    by_rank = [r // per for r in range(world)]
+    if cluster.host_slices:
+        sizes = [0] * slices
+        for n, s in zip(counts, cluster.host_slices):
+            sizes[s] += n
+        if len(set(sizes)) > 1:
+            shown = ", ".join(f"slice {s}: {n}" for s, n in enumerate(sizes))
+            raise ValueError(f"the slices have different numbers of processes ({shown}); every slice "
+                             f"must run {world} / {slices} = {per}: change the slots or --nproc-per-host")
+        by_rank = [s for n, s in zip(counts, cluster.host_slices) for _ in range(n)]
+    return by_rank
+
+
+def slice_env(num_slices: int, slice_id: int, coordinator_ip: str) -> dict[str, str]:
+    """The MEGASCALE_* variables of a process in slice `slice_id` (none for a single slice)."""
+    if num_slices == 1:
+        return {}
+    return {contract.NUM_SLICES: str(num_slices), contract.SLICE_ID: str(slice_id),
+            contract.SLICE_COORDINATOR: coordinator_ip, contract.SLICE_PORT: str(contract.DEFAULT_SLICE_PORT)}
+
+
+def host_profile_dir(job_id: str, worker: int) -> str:
+    """Where host `worker`'s processes write their traces under --profile (copied back at the end)."""
+    return f"/tmp/tpudist-profile-{job_id}-w{worker}"
 
 
 def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -> str:
@@ -112,7 +157,9 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
     """Every process of the job, in rank order (`stop_grace`: --stop-grace, which processes see)."""
     counts = processes_per_host(procs, cluster)
     world_size = sum(counts)
+    slices = process_slices(cluster, counts)
     addr = coordinator or coordinator_host(cluster)
+    jax_coordinator = f"{_bracket(addr)}:{ports.coordinator}"
     pyenv = python_env(procs)
     platform = procs.platform or ("tpu" if cluster.accelerator_type else "cpu" if procs.cpu_devices else None)
     cwd = procs.cwd
@@ -122,25 +169,32 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
         for local_rank in range(nproc):
             env = contract.JobEnv(
                 rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=nproc,
-                coordinator=f"{_bracket(addr)}:{ports.coordinator}", master_addr=addr,
+                coordinator=jax_coordinator, master_addr=addr,
                 master_port=ports.master, worker=worker, num_workers=len(cluster.hosts),
                 host=host.address, cpu_devices=procs.cpu_devices, platform=platform, job_id=job_id,
                 restart=attempt, stop_grace=stop_grace).to_environ()
             if cluster.accelerator_type:
                 from tpudist.launch import tpu
                 env.update(tpu.tpu_process_env(cluster, worker, local_rank, nproc))
+            env.update(slice_env(cluster.num_slices, slices[rank], addr))
+            env.update(contract.jax_environ(coordinator=jax_coordinator, world_size=world_size, rank=rank,
+                                            local_rank=local_rank, cpu_devices=procs.cpu_devices,
+                                            environs=(os.environ, procs.env)))
+            if procs.profile_dir:
+                env[contract.PROFILE_DIR] = host_profile_dir(job_id, worker)
+                env[contract.PROFILE_STEPS] = "%d:%d" % procs.profile_steps
             env["PYTHONUNBUFFERED"] = "1"
             env.update(pyenv.env)
             env.update(contract.process_defaults(os.environ, procs.env))
             env.update(procs.env)
             plan.append(ProcessPlan(host, worker, rank, local_rank, procs.command, env,
-                                    pyenv.path_prepend, cwd, pyenv.conda_env))
+                                    pyenv.path_prepend, cwd, pyenv.conda_env, slices[rank]))
             rank += 1
     return plan
 
 
 def plan_json(plan: list[ProcessPlan]) -> str:
-    """The `--dry-run` output: `{"processes": [{"host", "worker", "rank", "local_rank", "argv", "env", ...}]}`."""
+    """The `--dry-run` output: `{"processes": [{"host", "worker", "slice", "rank", "argv", "env", ...}]}`."""
     return json.dumps({"processes": [p.to_json() for p in plan]}, indent=2, ensure_ascii=False)
 
 

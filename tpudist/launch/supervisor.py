@@ -5,12 +5,14 @@ server, and turns what arrives into calls on the current `Attempt` (the job's st
 attempt.py), then does what the attempt's phase asks:
 
     CONNECTING   agents start on every host in parallel (_transport.open_agents)
-    REGISTERING  every agent registers (versions; worker 0 also free ports) and opens its Session
+    REGISTERING  every agent registers (versions, its TPU preflight; worker 0 also free ports) and
+                 opens its Session; a host whose TPU is busy stops the launch here (_preflight.py)
     then, per attempt (`Restarts` decides whether a failed attempt runs again):
       RUNNING    lines are printed, exits recorded; a failure, a lost host or Ctrl-C ends it
       STOP       SIGTERM to every process group on every host ...
       STOPPING   ... a grace period, then SIGKILL; wait for every exit
-      ENDED      the table (root cause first) and the exit status
+      ENDED      the table (root cause first) and the exit status; under --profile, every host's
+                 traces copied back (_profile.py)
 
 Anything that goes wrong before an attempt runs raises LaunchError naming the hosts; `close()`
 always takes every agent down, so nothing of the job is left running anywhere.
@@ -37,6 +39,7 @@ import time
 
 from tpudist import _proc
 from tpudist.launch._output import LogSink
+from tpudist.launch._preflight import preflight_paths, refusal
 from tpudist.launch._report import StartStatus, ending_table, restart_table, version_skew
 from tpudist.launch._transport import AgentHandle, close_agents, open_agents, reach_address
 from tpudist.launch.attempt import Attempt, AttemptResult, Exit, Outcome, Phase, Restarts
@@ -140,7 +143,8 @@ class Supervisor:
         def connect() -> None:
             results.update(open_agents(
                 self.cluster, python=python_env(self.config.procs).interpreter,
-                make_bootstrap=_bootstrap_for(self.token), control_port=lambda: _port_of(port),
+                make_bootstrap=_bootstrap_for(self.token, preflight_paths(self.config)),
+                control_port=lambda: _port_of(port),
                 ssh_options=None if self.cluster.local else self.config.ssh,
                 on_connected=self._count_connected, poll=lambda: bool(self.interrupts)))
 
@@ -191,6 +195,8 @@ class Supervisor:
             self._show_status()
         for warning in version_skew({w: r.versions for w, r in self.registered.items()}, self.hosts):
             self._print(warning)
+        if busy := refusal({w: r.tpu for w, r in self.registered.items()}, self.hosts):
+            raise LaunchError(busy)
 
     def _start_attempt(self) -> Attempt:
         probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[0].free_ports)
@@ -200,7 +206,7 @@ class Supervisor:
                           stop_grace=self.config.job.stop_grace)
         if self.sink is None:
             out = self.config.output
-            self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir)
+            self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)
             self.sink.before_first_line = self.status.stop
         self.attempt = Attempt(plan, number=self.restarts.used)
         for worker in range(len(self.hosts)):
@@ -243,11 +249,8 @@ class Supervisor:
 
     def _finish(self, result: AttemptResult) -> int:
         self.status.stop()
-        if result.outcome is not Outcome.SUCCESS:
-            self._print(ending_table(result))
-        elif self.config.output.verbose:
-            self._print(f"tpudist: {len(result.states)} processes on {len(self.hosts)} hosts finished "
-                        f"in {time.monotonic() - self.t0:.1f} s")
+        for text in _ending(self, result):
+            self._print(text)
         return result.exit_status
 
     def close(self) -> None:
@@ -369,9 +372,25 @@ def _port_of(port: concurrent.futures.Future) -> int:
         raise TimeoutError("the control server did not start") from None
 
 
-def _bootstrap_for(token: str):
+def _bootstrap_for(token: str, preflight: tuple[str, str]):
     """`open_agents`' make_bootstrap: each agent's line, once the port it dials is known."""
     def make(worker: int, host, die_with_parent: bool):
         return lambda port: Bootstrap(worker=worker, host=host.address, port=port, token=token,
-                                      die_with_parent=die_with_parent).encode()
+                                      die_with_parent=die_with_parent, tpu_devices=preflight[0],
+                                      libtpu_lockfile=preflight[1]).encode()
     return make
+
+
+def _ending(sup: Supervisor, result: AttemptResult):
+    """What the launcher prints when the job has ended: the table of a failure (or, with -v, a
+    summary of a success), then, under --profile, where every host's traces were copied to."""
+    if result.outcome is not Outcome.SUCCESS:
+        yield ending_table(result)
+    elif sup.config.output.verbose:
+        yield (f"tpudist: {len(result.states)} processes on {len(sup.hosts)} hosts finished "
+               f"in {time.monotonic() - sup.t0:.1f} s")
+    if sup.config.procs.profile_dir:
+        from tpudist.launch._profile import collect
+
+        yield collect(sup.agents, sup.hosts, sup.job_id, sup.config.procs.profile_dir,
+                      timeout_s=sup.config.ssh.connect_timeout).text()

@@ -5,7 +5,9 @@ stdin reaching EOF (the SSH session or the launcher's pipe closed), the control 
 (gRPC keepalive), SIGTERM, or the parent dying (PR_SET_PDEATHSIG) all stop this host's processes
 and everything they started (SIGTERM, then SIGKILL) and end the agent. The agent is a child
 subreaper, so daemons its processes start (fork, setsid, fork) stay its descendants and are
-stopped with them (`_processes.py`).
+stopped with them (`_processes.py`). Before registering, it checks that this host's TPU is free
+(`_tpucheck.py`) and reports what it found with its registration; the launcher starts nothing
+while a host's TPU is busy.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tpudist import _proc
 from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control import control_pb2_grpc as pb_grpc
+from tpudist.launch.agent import _tpucheck
 from tpudist.launch.agent._processes import ProcessSet
 
 HEARTBEAT_S = 2.0
@@ -86,6 +89,7 @@ class Agent:
     """One host's agent: the control stream to the launcher, and this host's `ProcessSet`."""
 
     def __init__(self, boot: Bootstrap) -> None:
+        self.boot = boot
         self.worker, self.host, self.port = boot.worker, boot.host, boot.port
         self.metadata = ((TOKEN_METADATA, boot.token),)
         self.outbound: queue.Queue = queue.Queue()
@@ -110,7 +114,8 @@ class Agent:
             # Register and open the Session together: one round trip through the tunnel, not two.
             registered = stub.Register.future(pb.RegisterRequest(
                 worker=self.worker, host=self.host, hostname=socket.gethostname(), versions=versions(),
-                free_ports=_proc.free_ports(2) if self.worker == 0 else [], pid=os.getpid()),
+                free_ports=_proc.free_ports(2) if self.worker == 0 else [], pid=os.getpid(),
+                tpu=self._check_tpu()),
                 metadata=self.metadata, timeout=30, wait_for_ready=True)
             responses = stub.Session(self._requests(), metadata=self.metadata, wait_for_ready=True)
             threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
@@ -124,6 +129,13 @@ class Agent:
             self.outbound.put(_CLOSE)
             channel.close()
         return 0
+
+    def _check_tpu(self) -> pb.TpuCheck:
+        if not self.boot.tpu_devices:
+            return pb.TpuCheck()
+        found = _tpucheck.check(self.boot.tpu_devices, self.boot.libtpu_lockfile)
+        return pb.TpuCheck(checked=found.checked, devices=found.devices, unreadable=found.unreadable,
+                           problems=[pb.TpuProblem(**p._asdict()) for p in found.problems])
 
     def _watch_stdin(self) -> None:
         try:

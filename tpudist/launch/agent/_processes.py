@@ -6,7 +6,8 @@ it leaves the group and session (a daemon): stopping the job (`stop`, `end`) sig
 group and every other descendant, SIGTERM, a grace period, SIGKILL. When one process ends, what it
 left behind, its group and the orphans that carry its RANK, is stopped the same way.
 
-Every stdout/stderr line becomes a `LogLine` event. An `Exited` event follows the process's last
+Every stdout/stderr line becomes a `LogLine` event; the runtime's chatter in them (gloo's connect
+messages, absl INFO) is split out of the program's lines and marked (`_chatter.py`). An `Exited` event follows the process's last
 line, carrying its Python traceback (or last stderr lines) for the launcher's failure table; it
 waits for what the process itself wrote to be read, never for a descendant that still holds the
 pipes (`_Output`).
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from tpudist import _proc
+from tpudist.launch.agent._chatter import Chatter
 from tpudist.launch.control import control_pb2 as pb
 
 MAX_LINE = 1 << 20  # a line longer than this is passed on in pieces, to bound the agent's memory
@@ -84,6 +86,7 @@ class _Output:
         self.tail = tail  # stderr keeps its last lines for the exit report
         self.drained = threading.Event()
         self._pending = bytearray()
+        self._chatter = Chatter()
 
     def run(self) -> None:
         exited = False
@@ -106,12 +109,18 @@ class _Output:
             pass
         finally:
             self._flush()
+            self._end_held()
             self.drained.set()
             os.close(self.fd)
 
     def _drain(self) -> None:
         self._flush()  # the process's last line, even without its newline
+        self._end_held()
         self.drained.set()
+
+    def _end_held(self) -> None:
+        for chatter, text in self._chatter.flush():
+            self._emit(text, chatter)
 
     def _lines(self, data: bytes) -> None:
         pieces = data.split(b"\n")
@@ -133,9 +142,13 @@ class _Output:
         self._pending = bytearray()
 
     def _line(self, line: bytes) -> None:
-        if self.tail is not None:
-            self.tail.append(line)
-        self.emit(pb.LogLine(rank=self.rank, stream=self.stream, data=line))
+        for chatter, text in self._chatter.feed(line):
+            self._emit(text, chatter)
+
+    def _emit(self, text: bytes, chatter: bool) -> None:
+        if self.tail is not None and not chatter:
+            self.tail.append(text)
+        self.emit(pb.LogLine(rank=self.rank, stream=self.stream, data=text, chatter=chatter))
 
 
 class _Process:

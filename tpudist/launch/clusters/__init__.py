@@ -40,7 +40,13 @@ class Host:
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """What a source resolved: the hosts in worker order, plus what it knows of the accelerator."""
+    """What a source resolved: the hosts in worker order, plus what it knows of the accelerator.
+
+    A job over several slices lists every slice's hosts, slice-major (all of slice 0, then slice
+    1, ...); `host_slices` gives each host's slice and, on TPU, `slices` each slice as a cluster of
+    its own (its hosts, type, topology, name). With `num_slices` > 1 and one host, that host's
+    processes form the slices (an emulated multislice job on one machine).
+    """
 
     source: str
     hosts: tuple[Host, ...]
@@ -48,6 +54,10 @@ class Cluster:
     accelerator_type: str | None = None  # e.g. "v4-32", "v5litepod-16"; None off TPU
     tpu_env: dict[str, str] = dataclasses.field(default_factory=dict)  # metadata `tpu-env`, wins over tables
     topology: str | None = None  # e.g. "2x2x4", when the source reports it
+    name: str | None = None  # the TPU's name, when the source knows it
+    num_slices: int = 1  # slices joined over DCN
+    host_slices: tuple[int, ...] = ()  # each host's slice, host order; (): one slice, or one host's processes
+    slices: tuple["Cluster", ...] = ()  # a TPU multislice job: each slice's own cluster, slice order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +119,36 @@ def resolve_cluster(options: ClusterOptions) -> Cluster:
 
 
 def choose_cluster(options: ClusterOptions) -> Cluster:
-    """An explicit --local wins; otherwise the first source that applies (local when none does)."""
+    """An explicit --local wins; otherwise the first source that applies (local when none does).
+
+    `--num-slices` then groups the hosts into slices (see `with_slices`)."""
     if options.local:
         from tpudist.launch.clusters.local import LocalSource
 
-        return LocalSource.resolve(options)
-    return resolve_cluster(options)
+        cluster = LocalSource.resolve(options)
+    else:
+        cluster = resolve_cluster(options)
+    return with_slices(cluster, options.num_slices)
+
+
+def with_slices(cluster: Cluster, num_slices: int | None) -> Cluster:
+    """`cluster` split into `num_slices` slices of contiguous hosts (one host: of its processes).
+
+    A source that found the slices itself (several --tpu names, a hostfile's `slice=`) keeps
+    them; `--num-slices` must then agree. Raises ValueError showing the arithmetic.
+    """
+    if num_slices is None or num_slices == cluster.num_slices:
+        return cluster
+    if cluster.num_slices > 1:
+        raise ValueError(f"--num-slices {num_slices}, but the {cluster.source!r} source found "
+                         f"{cluster.num_slices} slices; leave --num-slices out or make them agree")
+    n = len(cluster.hosts)
+    if n == 1:  # one machine: its processes form the slices (checked against their count in the plan)
+        return dataclasses.replace(cluster, num_slices=num_slices)
+    if n % num_slices:
+        raise ValueError(f"--num-slices {num_slices} does not divide the {n} hosts of the "
+                         f"{cluster.source!r} source ({n} / {num_slices} is not whole): each slice is "
+                         "a contiguous block of hosts of the same size")
+    per = n // num_slices
+    return dataclasses.replace(cluster, num_slices=num_slices,
+                               host_slices=tuple(i // per for i in range(n)))

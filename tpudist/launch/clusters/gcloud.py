@@ -9,7 +9,9 @@ launcher connects to a worker's external IP when it has one (`--internal-ip`: al
 one); peers always use internal IPs.
 
 It applies when `--tpu NAME` is given and NAME is not `local` (the metadata source, asked first,
-takes a slice this VM belongs to).
+takes a slice this VM belongs to), and to every `--tpu NAME1,NAME2,...`: one job over several
+slices, each described (in parallel) and checked on its own; slices of different accelerator types
+are refused, naming them. The hosts are then slice-major (all of NAME1's workers, then NAME2's).
 
 Example::
 
@@ -20,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -91,24 +94,46 @@ class GcloudSource(ClusterSource):
 
     @classmethod
     def applies(cls, options: ClusterOptions) -> Verdict:
-        tpu = tpu_name(options.tpu)
-        if not tpu:
+        names = [tpu_name(n) for n in options.tpu_names]
+        if not names:
             return Verdict(False, "--tpu not given")
-        if tpu == TPU_LOCAL:
+        if names == [TPU_LOCAL]:
             return Verdict(False, "--tpu=local means this TPU VM's own slice, and only its "
                                   "metadata server can say which that is")
-        return Verdict(True, f"--tpu={tpu}: `gcloud compute tpus tpu-vm describe` lists its "
+        if TPU_LOCAL in names or "" in names:
+            return Verdict(False, f"--tpu={options.tpu}: name every slice of a multislice job "
+                                  "(`local` or an empty name cannot be one of them)")
+        if len(names) > 1:
+            return Verdict(True, f"--tpu={options.tpu}: {len(names)} slices, each described by "
+                                 "`gcloud compute tpus tpu-vm describe`")
+        return Verdict(True, f"--tpu={names[0]}: `gcloud compute tpus tpu-vm describe` lists its "
                              "workers")
 
     @classmethod
     def resolve(cls, options: ClusterOptions) -> Cluster:
-        tpu = tpu_name(options.tpu)
-        assert tpu, "resolve() called without --tpu"
+        names = [tpu_name(n) for n in options.tpu_names]
+        assert names, "resolve() called without --tpu"
         zone = options.zone or gcloud_config("compute/zone")
         if not zone:
-            raise ValueError(f"--tpu={tpu} needs the TPU's zone: pass --zone ZONE or run "
+            raise ValueError(f"--tpu={options.tpu} needs the TPU's zone: pass --zone ZONE or run "
                              "`gcloud config set compute/zone ZONE`")
         project = options.project or gcloud_config("project")
+        if len(names) == 1:
+            return cls.describe(names[0], zone, project, options.internal_ip)
+        if len(set(names)) != len(names):
+            raise ValueError(f"--tpu={options.tpu} names a slice twice; give each slice once")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
+            futures = [pool.submit(cls.describe, n, zone, project, options.internal_ip) for n in names]
+            done = [f.exception() or f.result() for f in futures]  # each has gcloud's own deadline
+        failed = [str(d) for d in done if isinstance(d, Exception)]
+        if failed:
+            raise ValueError(f"{len(failed)} of the {len(names)} slices of --tpu={options.tpu} cannot "
+                             "be used; nothing was started:\n  " + "\n  ".join(failed))
+        return multislice(cls.name, done)
+
+    @classmethod
+    def describe(cls, tpu: str, zone: str, project: str | None, internal_ip: bool) -> Cluster:
+        """One slice, READY and HEALTHY, as a cluster of its own."""
         argv = ["compute", "tpus", "tpu-vm", "describe", tpu, "--zone", zone]
         if project:
             argv += ["--project", project]
@@ -127,15 +152,34 @@ class GcloudSource(ClusterSource):
                              "and HEALTHY. Wait for it, or check `gcloud compute tpus tpu-vm "
                              "describe` and recreate or repair it.")
         accelerator_type = node.get("acceleratorType")
-        hosts = node_hosts(node, internal_ip=options.internal_ip)
+        hosts = node_hosts(node, internal_ip=internal_ip)
         if not accelerator_type or not hosts:
             raise ValueError(f"{where}: the describe document has no acceleratorType or no "
                              "networkEndpoints")
         topology = (node.get("acceleratorConfig") or {}).get("topology") or None
         cluster = Cluster(source=cls.name, hosts=hosts, accelerator_type=accelerator_type,
-                          topology=topology)
+                          topology=topology, name=tpu)
         try:
             cluster_slice(cluster)  # an unknown type or a worker count that does not fit fails here
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         return cluster
+
+
+def multislice(source: str, slices: Sequence[Cluster]) -> Cluster:
+    """One cluster over `slices` (each a resolved slice), hosts slice-major.
+
+    Every slice must have the same accelerator type and topology: libtpu joins equal slices over
+    DCN. Raises ValueError naming each slice and its type otherwise.
+    """
+    shapes = {(c.accelerator_type, cluster_slice(c).topology) for c in slices}
+    if len(shapes) > 1:
+        listed = ", ".join(f"{c.name} is {c.accelerator_type} ({cluster_slice(c).topology})" for c in slices)
+        raise ValueError(f"the slices of a multislice job must be of one accelerator type and "
+                         f"topology: {listed}; nothing was started. Name slices of the same type.")
+    first = slices[0]
+    return Cluster(source=source, hosts=tuple(h for c in slices for h in c.hosts),
+                   accelerator_type=first.accelerator_type, topology=first.topology,
+                   name=",".join(c.name or "?" for c in slices), num_slices=len(slices),
+                   host_slices=tuple(i for i, c in enumerate(slices) for _ in c.hosts),
+                   slices=tuple(slices))

@@ -121,6 +121,9 @@ class TpuMetadataSource(ClusterSource):
 
     @classmethod
     def applies(cls, options: ClusterOptions) -> Verdict:
+        if len(options.tpu_names) > 1:
+            return Verdict(False, f"--tpu={options.tpu} names {len(options.tpu_names)} slices; a "
+                                  "metadata server knows only its own, so gcloud describes them")
         tpu = tpu_name(options.tpu)
         if not tpu:
             return Verdict(False, "--tpu not given")
@@ -158,7 +161,8 @@ class TpuMetadataSource(ClusterSource):
         local = len(hosts) == 1 and worker in ("", "0")
         cluster = Cluster(source=cls.name, hosts=hosts, local=local,
                           accelerator_type=tpu_env.get("ACCELERATOR_TYPE") or accelerator_type,
-                          tpu_env=tpu_env, topology=tpu_env.get("TOPOLOGY") or None)
+                          tpu_env=tpu_env, topology=tpu_env.get("TOPOLOGY") or None,
+                          name=tpu_env.get("NODE_ID") or None)
         cluster_slice(cluster)  # an unknown type or a worker count that does not fit fails here
         return cluster
 

@@ -33,10 +33,13 @@ class Bootstrap(NamedTuple):
     port: int  # the control server's port as seen from the host (the forwarded one over SSH)
     token: str  # the job's random token, sent as TOKEN_METADATA on every call
     die_with_parent: bool  # ask Linux for SIGTERM when the agent's parent (sshd's session) dies
+    tpu_devices: str = ""  # the TPU preflight's device node globs ("": skip it, --skip-preflight)
+    libtpu_lockfile: str = ""  # ... and libtpu's lock file
 
     def encode(self) -> bytes:
         return base64.b64encode(json.dumps(self._asdict()).encode()) + b"\n"
 
     @classmethod
     def decode(cls, line: bytes) -> "Bootstrap":
-        return cls(**json.loads(base64.b64decode(line)))
+        fields = json.loads(base64.b64decode(line))  # a newer launcher's extra fields are left out
+        return cls(**{k: v for k, v in fields.items() if k in cls._fields})

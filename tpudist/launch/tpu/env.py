@@ -19,6 +19,10 @@ Two modes:
 
 Any other process count per worker is refused: libtpu cannot split a worker's chips unevenly.
 
+A job over several slices (`Cluster.slices`) gives each slice its own picture: a process's
+`TPU_WORKER_ID` is its worker's index in its slice and `TPU_WORKER_HOSTNAMES` lists that slice's
+workers; `worker` arguments below count hosts across the job, slice-major.
+
 The names below are Google's contract (libtpu, JAX's and torch_xla's TPU code read them), not
 tpudist's own, which `tpudist/contract.py` declares; they are spelled here once, and only here.
 
@@ -72,8 +76,11 @@ def cluster_slice(cluster: Cluster) -> SliceTopology:
 
     Raises ValueError when the cluster has no TPU accelerator type, or when the slice has a
     different number of workers than the cluster has hosts (every worker must run the program,
-    or libtpu waits for the missing ones forever).
+    or libtpu waits for the missing ones forever). A multislice cluster checks every slice and
+    answers for slice 0 (they are alike).
     """
+    if cluster.slices:
+        return [cluster_slice(c) for c in cluster.slices][0]
     tpu_env = cluster.tpu_env
     accelerator_type = tpu_env.get(_TPU_ENV_ACCELERATOR_TYPE) or cluster.accelerator_type
     if not accelerator_type:
@@ -220,9 +227,21 @@ def tpu_layout(cluster: Cluster, nproc_per_host: int | None) -> TpuLayout:
     return layout
 
 
+def locate(cluster: Cluster, worker: int) -> tuple[Cluster, int]:
+    """The slice that host `worker` of the job belongs to, and its worker index there."""
+    for part in cluster.slices:
+        if worker < len(part.hosts):
+            return part, worker
+        worker -= len(part.hosts)
+    if cluster.slices:
+        raise ValueError(f"host {worker} is not in the {len(cluster.hosts)} hosts of the job")
+    return cluster, worker
+
+
 def worker_env(cluster: Cluster, worker: int) -> dict[str, str]:
     """The TPU variables every process on `worker` gets, in either mode."""
-    return tpu_layout(cluster, None).worker_env(worker)
+    part, worker = locate(cluster, worker)
+    return tpu_layout(part, None).worker_env(worker)
 
 
 def tpu_process_env(cluster: Cluster, worker: int, local_rank: int,
@@ -233,7 +252,8 @@ def tpu_process_env(cluster: Cluster, worker: int, local_rank: int,
     worker: one process per chip, with torch_xla's multiprocess variables. Anything else raises
     ValueError (see `check_nproc_per_host`).
     """
-    return tpu_layout(cluster, nproc_per_host).process_env(worker, local_rank)
+    part, worker = locate(cluster, worker)
+    return tpu_layout(part, nproc_per_host).process_env(worker, local_rank)
 
 
 def _peer_address(host: Host) -> str:

@@ -1,0 +1,40 @@
+"""The launcher's side of the TPU preflight: which paths every agent checks, and what its answers mean.
+
+Each host's agent checks its TPU before it registers (`agent/_tpucheck.py`) and reports a
+`TpuCheck`; once every host has registered, `refusal` turns any problem into one message naming
+the host, the PID and command line (or the stale lock file) and the command that fixes it, and
+the supervisor starts nothing. `--skip-preflight` sends no paths, so no agent checks.
+
+    devices, lockfile = preflight_paths(config)            # into each agent's bootstrap line
+    message = refusal({w: r.tpu for w, r in registered.items()}, cluster.hosts)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from tpudist import contract
+from tpudist.launch.agent._tpucheck import describe
+from tpudist.launch.clusters import Host
+from tpudist.launch.config import LaunchConfig
+
+
+def preflight_paths(config: LaunchConfig) -> tuple[str, str]:
+    """The device node globs and lock file every agent checks: --env, else this environment, else
+    the defaults; ("", "") with --skip-preflight."""
+    if config.job.skip_preflight:
+        return "", ""
+    env = {**os.environ, **config.procs.env}
+    return (env.get(contract.TPU_DEVICES) or contract.DEFAULT_TPU_DEVICES,
+            env.get(contract.LIBTPU_LOCKFILE) or contract.DEFAULT_LIBTPU_LOCKFILE)
+
+
+def refusal(checks: Mapping[int, object], hosts: Sequence[Host]) -> str | None:
+    """None when every host's TPU is free; else why the job does not start, host by host."""
+    lines = [f"  host {hosts[w]}: {describe(p)}" for w, c in sorted(checks.items()) for p in c.problems]
+    if not lines:
+        return None
+    busy = sum(1 for c in checks.values() if c.problems)
+    return (f"the TPU of {busy} of {len(hosts)} hosts is not free, so nothing was started:\n"
+            + "\n".join(lines) + "\nRun the fix on each host, or pass --skip-preflight to start anyway.")
