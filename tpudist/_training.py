@@ -17,21 +17,17 @@ and takes any other per-batch step as `step_fn` (`eager_step`: eager torch plus 
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import tpudist
 from tpudist.collectives import all_gather, all_reduce
-from tpudist import _metrics, _resume, contract
+from tpudist import _fit_io, _metrics, _resume
 from tpudist.compile._torch._loader import device_loader
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
@@ -228,43 +224,6 @@ def _check_lengths(loader: Iterable[Any], shard: bool) -> int | None:
     return length // tpudist.process_count() if shard else length
 
 
-class _Progress:
-    """A rich progress bar on rank 0 when stderr is a terminal; otherwise nothing. Either way
-    rank 0 prints one line per epoch."""
-
-    def __init__(self, enabled: bool, log: bool):
-        self.log = log
-        self.bar = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=True)
-            self.bar.start()
-
-    def epoch(self, epoch: int, epochs: int, total: int | None) -> None:
-        if self.bar is not None:
-            self.task = self.bar.add_task(f"epoch {epoch}/{epochs}", total=total, info="")
-
-    def update(self, losses: list[Any], rate: float) -> None:
-        if self.bar is not None:
-            # the newest loss the devices have finished: the bar never waits for a step
-            done = next((loss for loss in reversed(losses) if not hasattr(loss, "ready") or loss.ready()), None)
-            info = f"loss {float(done):.4g} (rank 0)  " if done is not None else ""
-            self.bar.update(self.task, advance=1, info=f"{info}{rate:,.0f} examples/s")
-
-    def end_epoch(self, record: dict[str, float], epochs: int) -> None:
-        if self.bar is not None:
-            self.bar.remove_task(self.task)
-        if self.log:
-            print(f"epoch {record['epoch']}/{epochs}: loss {record['loss']:.6g}, "
-                  f"{record['examples_per_s']:,.0f} examples/s ({record['examples']} examples in "
-                  f"{record['seconds']:.2f} s)", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Optimizer,
         loss_fn: Callable[..., torch.Tensor] | None = None, epochs: int = 1, *, step_fn: StepFn | None = None,
         shard: bool = True, accumulate_steps: int = 1, lr_scheduler: Any = None,
@@ -336,14 +295,14 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
         total //= accumulate_steps
     saver = _resume.Checkpointer(checkpoint_dir, step, optimizer, lr_scheduler, loader) if checkpoint_dir else None
     scalars = _metrics.ScalarLog(log_dir, rank) if log_dir is not None else None
-    tracer = _StepProfile.from_settings(log_dir, profile_steps)
+    tracer = _fit_io.StepProfile.from_settings(log_dir, profile_steps)
     at = (saver.restore() if saver else None) or _resume.Progress()
     resumed = at.position > 0
-    bar = _Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
+    bar = _fit_io.Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
                     log and rank == 0)
     history: list[dict[str, float]] = []
     model.train()
-    with _stop_on_sigterm(step if saver else None) as stopping:
+    with _resume.stop_on_sigterm(step if saver else None) as stopping:
         try:
             for epoch in range(at.epoch, epochs + 1):
                 at.epoch = epoch
@@ -376,7 +335,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                         bar.update(losses, examples * count / (time.perf_counter() - start))
                         if saver is not None and stopping.agreed(step.signal):
                             saver.save(at, wait=True)
-                            raise _Stopped(at.global_step)
+                            raise _resume.Stopped(at.global_step)
                         if saver is not None and checkpoint_every and at.global_step % checkpoint_every == 0:
                             saver.save(at, wait=False)
                 finally:
@@ -392,12 +351,12 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                           "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
                 history.append(record)
                 if scalars is not None:
-                    _write_scalars(scalars, record, losses, lrs, at.global_step, step)
+                    _fit_io.write_scalars(scalars, record, losses, lrs, at.global_step, step)
                 bar.end_epoch(record, epochs)
                 at.position = 0
             if saver is not None:
                 saver.save(at, wait=True)
-        except _Stopped as stopped:
+        except _resume.Stopped as stopped:
             if rank == 0:
                 print(f"fit: stopped by SIGTERM after step {stopped.step}; the checkpoint is in {checkpoint_dir}",
                       file=sys.stderr, flush=True)
@@ -410,92 +369,3 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
             if fused:
                 step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
     return history
-
-
-def _write_scalars(scalars: Any, record: dict[str, float], losses: list[Any], lrs: list[float],
-                   global_step: int, step: Any) -> None:
-    """One epoch's TensorBoard scalars (rank 0): every step's loss and learning rate, the epoch's."""
-    first = global_step - len(losses)
-    for i, (loss, lr) in enumerate(zip(losses, lrs)):
-        scalars.scalar("train/loss", float(loss), first + i + 1)
-        scalars.scalar("train/lr", lr, first + i + 1)
-    scalars.scalar("epoch/loss", record["loss"], record["epoch"])
-    scalars.scalar("epoch/examples_per_s", record["examples_per_s"], record["epoch"])
-    scalars.scalar("epoch/step_ms", 1e3 * record["seconds"] / max(len(losses), 1), record["epoch"])
-    stats = getattr(step, "stats", None)
-    if stats is not None and hasattr(stats, "compile_seconds"):
-        scalars.scalar("epoch/compile_s", stats.compile_seconds + stats.capture_seconds, record["epoch"])
-    scalars.flush()
-
-
-class _StepProfile:
-    """Records a trace of steps [first, last) with `tpudist.profile`'s start/stop (or nothing)."""
-
-    def __init__(self, directory: str | None, first: int, last: int):
-        self.directory, self.first, self.last = directory, first, last
-        self.on = False
-
-    @classmethod
-    def from_settings(cls, log_dir: str | None, steps: tuple[int, int] | None) -> "_StepProfile":
-        directory = os.environ.get(contract.PROFILE_DIR) or log_dir
-        text = os.environ.get(contract.PROFILE_STEPS)
-        if text:
-            first, _, last = text.partition(":")
-            steps = (int(first), int(last))
-        if steps is None or directory is None:
-            return cls(None, 0, 0)
-        first, last = steps
-        if not 0 <= first < last:
-            raise ValueError(f"profile_steps={steps!r}: give (first, last) with 0 <= first < last (steps [first, last))")
-        return cls(directory, first, last)
-
-    def before(self, step: int) -> None:
-        if self.directory is not None and not self.on and step == self.first:
-            from tpudist import _profile
-            _profile.start_profile(self.directory)
-            self.on = True
-
-    def after(self, step: int) -> None:
-        if self.on and step >= self.last:
-            self.close()
-
-    def close(self) -> None:
-        if self.on:
-            from tpudist import _profile
-            _profile.stop_profile()
-            self.on = False
-
-
-class _Stopped(Exception):
-    def __init__(self, step: int):
-        super().__init__(step)
-        self.step = step
-
-
-class _stop_on_sigterm:
-    """While `fit` checkpoints: SIGTERM raises this process's flag in the fused step (see
-    `TrainStep.raise_signal`) instead of ending the process; `agreed(signal)` is true on every
-    process at the same step once any process's flag went through a step's all-reduce. Each call
-    reads the flag of the step before the one just launched (done by then, or nearly), so the
-    host waits for at most one step: one 4-byte read per step while checkpointing."""
-
-    def __init__(self, step: Any):
-        self.step = step
-        self.previous: Any = None
-        self._pending: Any = None
-
-    def __enter__(self) -> "_stop_on_sigterm":
-        if self.step is not None and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.step.raise_signal())
-        return self
-
-    def agreed(self, signal_of_last_step: Any) -> bool:
-        pending, self._pending = self._pending, signal_of_last_step
-        if self.step is None or pending is None:
-            return False
-        from tpudist.compile._torch._state import to_host
-        return float(np.asarray(to_host(pending.addressable_shards[0].data)).reshape(())) > 0
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)

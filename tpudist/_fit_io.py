@@ -1,0 +1,101 @@
+"""What `fit` shows and records: the progress bar and epoch lines, TensorBoard scalars, a trace of
+chosen steps."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from tpudist import contract
+
+
+class Progress:
+    """A rich progress bar on rank 0 when stderr is a terminal; otherwise nothing. Either way
+    rank 0 prints one line per epoch."""
+
+    def __init__(self, enabled: bool, log: bool):
+        self.log = log
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=True)
+            self.bar.start()
+
+    def epoch(self, epoch: int, epochs: int, total: int | None) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task(f"epoch {epoch}/{epochs}", total=total, info="")
+
+    def update(self, losses: list[Any], rate: float) -> None:
+        if self.bar is not None:
+            # the newest loss the devices have finished: the bar never waits for a step
+            done = next((loss for loss in reversed(losses) if not hasattr(loss, "ready") or loss.ready()), None)
+            info = f"loss {float(done):.4g} (rank 0)  " if done is not None else ""
+            self.bar.update(self.task, advance=1, info=f"{info}{rate:,.0f} examples/s")
+
+    def end_epoch(self, record: dict[str, float], epochs: int) -> None:
+        if self.bar is not None:
+            self.bar.remove_task(self.task)
+        if self.log:
+            print(f"epoch {record['epoch']}/{epochs}: loss {record['loss']:.6g}, "
+                  f"{record['examples_per_s']:,.0f} examples/s ({record['examples']} examples in "
+                  f"{record['seconds']:.2f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def write_scalars(scalars: Any, record: dict[str, float], losses: list[Any], lrs: list[float],
+                   global_step: int, step: Any) -> None:
+    """One epoch's TensorBoard scalars (rank 0): every step's loss and learning rate, the epoch's."""
+    first = global_step - len(losses)
+    for i, (loss, lr) in enumerate(zip(losses, lrs)):
+        scalars.scalar("train/loss", float(loss), first + i + 1)
+        scalars.scalar("train/lr", lr, first + i + 1)
+    scalars.scalar("epoch/loss", record["loss"], record["epoch"])
+    scalars.scalar("epoch/examples_per_s", record["examples_per_s"], record["epoch"])
+    scalars.scalar("epoch/step_ms", 1e3 * record["seconds"] / max(len(losses), 1), record["epoch"])
+    stats = getattr(step, "stats", None)
+    if stats is not None and hasattr(stats, "compile_seconds"):
+        scalars.scalar("epoch/compile_s", stats.compile_seconds + stats.capture_seconds, record["epoch"])
+    scalars.flush()
+
+
+class StepProfile:
+    """Records a trace of steps [first, last) with `tpudist.profile`'s start/stop (or nothing)."""
+
+    def __init__(self, directory: str | None, first: int, last: int):
+        self.directory, self.first, self.last = directory, first, last
+        self.on = False
+
+    @classmethod
+    def from_settings(cls, log_dir: str | None, steps: tuple[int, int] | None) -> "StepProfile":
+        directory = os.environ.get(contract.PROFILE_DIR) or log_dir
+        text = os.environ.get(contract.PROFILE_STEPS)
+        if text:
+            first, _, last = text.partition(":")
+            steps = (int(first), int(last))
+        if steps is None or directory is None:
+            return cls(None, 0, 0)
+        first, last = steps
+        if not 0 <= first < last:
+            raise ValueError(f"profile_steps={steps!r}: give (first, last) with 0 <= first < last (steps [first, last))")
+        return cls(directory, first, last)
+
+    def before(self, step: int) -> None:
+        if self.directory is not None and not self.on and step == self.first:
+            from tpudist import _profile
+            _profile.start_profile(self.directory)
+            self.on = True
+
+    def after(self, step: int) -> None:
+        if self.on and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.on:
+            from tpudist import _profile
+            _profile.stop_profile()
+            self.on = False
