@@ -27,13 +27,25 @@ CHATTY = textwrap.dedent("""
     # a lone head, another message, the head's rest, and its number at the start of a later line
     out(b"[Gloo] Rank ", gloo % (1, 1, 1) + b"\\n", b" is connected to 1 peer ranks. Expected number of "
         b"connected peer ranks is : 1\\n", b"1", b"step 2", b"\\n")
+    # two messages ending together: their numbers run into each other, their newlines follow
+    out(b"[Gloo] Rank 4 is connected to 3 peer ranks. Expected number of connected peer ranks is : ",
+        gloo % (5, 3, 3), b"3\\n", b"\\n")
+    # a lone head again, and its number leading the rest of its message
+    out(b"[Gloo] Rank ", gloo % (3, 3, 3) + b"\\n", b"2 is connected to 3 peer ranks. Expected number of "
+        b"connected peer ranks is : 3\\n")
+    # two messages shuffled piece by piece (as seen with 2 processes: gloo's threads take turns per piece)
+    out(b"[Gloo] Rank 1", b"[Gloo] Rank ", b" is connected to ", b"0", b"3", b" is connected to ", b" peer ranks. ",
+        b"3", b"Expected number of connected peer ranks is : ", b" peer ranks. ", b"3",
+        b"Expected number of connected peer ranks is : ", b"\\n", b"3", b"\\n")
+    print(flush=True)   # the program's own empty line stays
     os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
     os.write(2, b"I0000 00:00:1733000000.123456    4242 service.cc:152] XLA service 0x55d initialized\\n")
     os.write(2, b"W0000 00:00:1733000000.223456    4242 thing.cc:7] a warning the user should see\\n")
     print("step 3 done", flush=True)
 """)
 
-CHATTER_PIECES = [b"[Gloo] Rank 3 is connected to 3", GLOO % (2, 3, 3), GLOO % (1, 1, 1),
+CHATTER_PIECES = [b"[Gloo] Rank 3 is connected to 3", GLOO % (2, 3, 3), GLOO % (1, 1, 1), GLOO % (5, 3, 33),
+                  b"[Gloo] Rank 1[Gloo] Rank  is connected to 03 is connected to  peer ranks. 3Expected",
                   b" peer ranks. Expected number of connected peer ranks is : 3", b"XLA service 0x55d initialized",
                   b"WARNING: All log messages before absl::InitializeLog()"]
 
@@ -49,7 +61,7 @@ def test_runtime_chatter_stays_off_the_console_and_goes_to_the_log_dir(tmp_path)
     assert r.returncode == 0, r.stderr.decode()
     for rank in (0, 1):
         mine = [line for line in _lines(r.stdout) if line.startswith(b"[w0 r%d localhost] " % rank)]
-        assert mine == [b"[w0 r%d localhost] %s" % (rank, t) for t in (b"step 1", b"step 2", b"step 3 done")]
+        assert mine == [b"[w0 r%d localhost] %s" % (rank, t) for t in (b"step 1", b"step 2", b"", b"step 3 done")]
         assert [line for line in _lines(r.stderr) if line.startswith(b"[w0 r%d " % rank)] == [
             b"[w0 r%d localhost] W0000 00:00:1733000000.223456    4242 thing.cc:7] a warning the user "
             b"should see" % rank]

@@ -125,6 +125,12 @@ def test_num_slices_must_agree_with_the_tpu_names(gcloud):
     assert r.returncode == 2 and b"--num-slices 3, but the 'gcloud' source found 2 slices" in r.stderr
 
 
+def test_one_tpu_slice_is_not_cut_into_slices(gcloud):
+    _slices(gcloud, _node("solo", "v5p-16", "2x2x2", 100, 2))
+    r = launch("--tpu=solo", "--num-slices", "2", "--dry-run", "--", "true", timeout=60)
+    assert r.returncode == 2 and b"the slices of a TPU job are the TPUs it names (--tpu solo is one)" in r.stderr
+
+
 def test_local_processes_form_contiguous_slices():
     procs = _dry_run("--local", "--nproc-per-host", "4", "--num-slices", "2")
     assert [(p["rank"], p["slice"]) for p in procs] == [(0, 0), (1, 0), (2, 1), (3, 1)]

@@ -28,7 +28,9 @@ def build(config: LaunchConfig) -> Cluster:
     if ranks and max(ranks) >= len(plan):
         raise ValueError(f"--ranks-filter {config.output.ranks_text}: the job has ranks 0..{len(plan) - 1}")
     if verbose:
-        print(f"tpudist: {cluster.source}: {len(cluster.hosts)} hosts, {len(plan)} processes", file=sys.stderr)
+        slices = f" in {cluster.num_slices} slices" if cluster.num_slices > 1 else ""
+        print(f"tpudist: {cluster.source}: {len(cluster.hosts)} hosts{slices}, {len(plan)} processes",
+              file=sys.stderr)
     return cluster
 
 

@@ -10,20 +10,22 @@ console by default. The table (`PATTERNS`):
 | `absl-preinit` | absl's notice before its logging is initialised (gRPC, XLA) | `WARNING: All log messages before absl::InitializeLog() is called are written to STDERR` |
 | `absl-info` | absl/glog INFO lines (`I` + date); WARNING and ERROR lines stay on the console | `I0000 00:00:1700000000.123456  4242 service.cc:152] XLA service ...` |
 
-gloo writes its message in pieces (`"[Gloo] Rank "`, the rank, `" is connected to "`, ...) through
-C stdio, flushed at its end, while Python writes to the same file descriptor directly: pieces of
-two communicators' messages, or of a message and a program line, can share a line
-(`Rank 3 is connected to 3[Gloo] Rank 2 ...`). So a line that holds any piece of the gloo message
-has every piece removed as chatter; what remains is the program's. If the line ended with the
-message's last piece, its newline was gloo's and the program's text before it had not ended yet:
-it is held and continues with the stream's next line, so the program's line arrives whole. A
-number piece can come later still, at the start of a later line (`1step 20/60` after a lone
-`[Gloo] Rank `): while a piece that a number follows has been seen without its number, a line's
-leading digits are taken as that number.
+gloo writes its message in pieces (`"[Gloo] Rank "`, the rank, `" is connected to "`, the count,
+`" peer ranks. "`, `"Expected number of connected peer ranks is : "`, the count, a newline) through
+C stdio, one piece at a time, while other communicators' threads write theirs and Python writes to
+the same file descriptor directly. So pieces of several messages and of a program line can share
+a line in any order (`[Gloo] Rank 1[Gloo] Rank  is connected to 03 is connected to  peer ...`). In
+a line holding a piece of gloo's message, every constant piece is chatter, and so is a number next
+to one; what remains is the program's text, in order. The newline ending such a line was gloo's if
+a message's last piece has come and its newline not yet, and the line ended with chatter: then the
+program's text had not ended, and is held to continue with the stream's next line, so the
+program's line arrives whole; an empty line while a message's newline is owed is that newline. A
+number can also come lines later, at the start of a line (`1step 20/60`): while numbers of seen
+messages are missing, a line's leading digits (followed by a letter or nothing) are taken as one.
 
     chatter = Chatter()
     chatter.feed(b"step 5[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
-    # -> [(True, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected ...: 1")]; b"step 5" is held
+    # -> [(True, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected ... : 1")]; b"step 5" is held
     chatter.feed(b"")   # -> [(False, b"step 5")]
 """
 
@@ -31,18 +33,15 @@ from __future__ import annotations
 
 import re
 
-# gloo's message, as its pieces are written; a piece may stand alone where another write cut in.
-_GLOO_END = rb"Expected number of connected peer ranks is : (?:\d+)?"
-_GLOO_PIECES = re.compile(
-    rb"\[Gloo\] Rank (?:\d+(?: is connected to (?:\d+(?: peer ranks\. (?:" + _GLOO_END + rb")?)?)?)?)?"
-    rb"| is connected to (?:\d+(?: peer ranks\. (?:" + _GLOO_END + rb")?)?)?"
-    rb"| peer ranks\. (?:" + _GLOO_END + rb")?"
-    rb"|" + _GLOO_END)
+# gloo's message: its constant pieces (each message has each once, and three numbers).
+_HEAD, _END = b"[Gloo] Rank ", b"Expected number of connected peer ranks is : "
+_GLOO_CONSTANTS = re.compile(rb"(\[Gloo\] Rank | is connected to | peer ranks\. |"
+                             rb"Expected number of connected peer ranks is : )")
 # Only lines holding one of these are searched for pieces (" is connected to " alone is English).
-_GLOO_MARKERS = (b"[Gloo] Rank ", b" peer ranks. ", b"Expected number of connected peer ranks is : ")
-_GLOO_ENDS_LINE = re.compile(rb"Expected number of connected peer ranks is : \d+$")
-_GLOO_BEFORE_NUMBER = (b"[Gloo] Rank ", b" is connected to ", b"peer ranks is : ")  # a number follows each
-_LEADING_NUMBER = re.compile(rb"^\d+")
+_GLOO_MARKERS = (_HEAD, b" peer ranks. ", _END)
+_BEFORE_NUMBER = (_HEAD, b" is connected to ", _END)  # a number follows each of these pieces
+_LEADING_NUMBER = re.compile(rb"^\d+(?=[A-Za-z_\[]|$)")
+_DIGITS = re.compile(rb"\d+")
 
 PATTERNS = {  # whole-line chatter: name -> pattern
     "absl-preinit": re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) is called "
@@ -59,37 +58,61 @@ class Chatter:
 
     def __init__(self) -> None:
         self.held = b""  # the program's text of a line that chatter cut: continues with the next line
-        self.owed = 0  # gloo numbers not seen yet after the pieces they follow
-        self.owed_lines = 0  # ... looked for in this many more lines
+        self.owed_numbers = 0  # numbers of seen gloo messages not seen yet
+        self.owed_newlines = 0  # newlines of gloo messages whose last piece came
+        self.owed_lines = 0  # ... both looked for in this many more lines
 
     def feed(self, line: bytes) -> list[tuple[bool, bytes]]:
         """One line of the stream (without its newline) -> [(is_chatter, text), ...] in order."""
-        out: list[tuple[bool, bytes]] = []
         self.owed_lines -= 1
         if self.owed_lines <= 0:
-            self.owed = 0
-        if self.owed and not self.held and (number := _LEADING_NUMBER.match(line)):
-            self.owed -= 1
+            self.owed_numbers = self.owed_newlines = 0
+        out: list[tuple[bool, bytes]] = []
+        if not self.held and self.owed_numbers and (number := _LEADING_NUMBER.match(line)):
+            self.owed_numbers -= 1
             out.append((True, number.group()))
             line = line[number.end():]
-            if not line:
+            if not line:  # the number and a message's newline
+                self.owed_newlines = max(0, self.owed_newlines - 1)
                 return out
+        if not line and not self.held and self.owed_newlines:
+            self.owed_newlines -= 1  # a message's newline, after its text came on an earlier line
+            return out
         line, self.held = self.held + line, b""
         if any(marker in line for marker in _GLOO_MARKERS):
-            pieces = [m.group() for m in _GLOO_PIECES.finditer(line)]
-            rest = _GLOO_PIECES.sub(b"", line)
-            owed = sum(p.endswith(_GLOO_BEFORE_NUMBER) for p in pieces)
-            if owed:
-                self.owed, self.owed_lines = self.owed + owed, OWED_LINES
-            out += [(True, p) for p in pieces]
-            if rest and _GLOO_ENDS_LINE.search(line) and len(rest) < MAX_HELD:
-                self.held = rest
-            elif rest:
-                out.append((False, rest))
-            return out
+            return out + self._gloo(line)
         if any(p.search(line) for p in PATTERNS.values()):
             return [*out, (True, line)]
         return [*out, (False, line)]
+
+    def _gloo(self, line: bytes) -> list[tuple[bool, bytes]]:
+        parts = _GLOO_CONSTANTS.split(line)  # text, constant, text, ..., text
+        chatter, program = bytearray(), bytearray()
+        self.owed_numbers += 3 * parts[1::2].count(_HEAD)
+        self.owed_newlines += parts[1::2].count(_END)
+        self.owed_lines = OWED_LINES
+        ends_with_chatter = False
+        for i in range(0, len(parts), 2):
+            text, before = parts[i], parts[i - 1] if i else None
+            if before is not None:
+                chatter += before
+            # the number a piece is followed by, or a number standing between pieces
+            number = _DIGITS.match(text) if before in _BEFORE_NUMBER or text.isdigit() else None
+            if number:
+                chatter += number.group()
+                text = text[number.end():]
+                self.owed_numbers = max(0, self.owed_numbers - 1)
+            program += text
+            ends_with_chatter = not text
+        out = [(True, bytes(chatter))]
+        if not program:
+            self.owed_newlines = max(0, self.owed_newlines - 1)
+        elif ends_with_chatter and self.owed_newlines and len(program) < MAX_HELD:
+            self.held = bytes(program)  # this line's newline was a message's: the program's line goes on
+            self.owed_newlines -= 1
+        else:
+            out.append((False, bytes(program)))  # the program's newline
+        return out
 
     def flush(self) -> list[tuple[bool, bytes]]:
         """The held text, at the end of the stream (the program never ended its line)."""

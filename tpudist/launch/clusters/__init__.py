@@ -142,6 +142,9 @@ def with_slices(cluster: Cluster, num_slices: int | None) -> Cluster:
     if cluster.num_slices > 1:
         raise ValueError(f"--num-slices {num_slices}, but the {cluster.source!r} source found "
                          f"{cluster.num_slices} slices; leave --num-slices out or make them agree")
+    if cluster.accelerator_type:  # a TPU slice cannot be cut into slices: libtpu sees one
+        raise ValueError(f"--num-slices {num_slices}: the slices of a TPU job are the TPUs it names "
+                         f"(--tpu {cluster.name or '...'} is one); name each slice: --tpu A,B,...")
     n = len(cluster.hosts)
     if n == 1:  # one machine: its processes form the slices (checked against their count in the plan)
         return dataclasses.replace(cluster, num_slices=num_slices)
