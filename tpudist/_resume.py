@@ -192,6 +192,8 @@ class stop_on_sigterm:
         self._pending: Any = None
 
     def __enter__(self) -> "stop_on_sigterm":
+        if self.step is not None:
+            self.step.signals = True  # the steps take the flag (another signature: compiled once)
         if self.step is not None and threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, lambda *_: self.step.raise_signal())
         return self
@@ -204,5 +206,7 @@ class stop_on_sigterm:
         return float(np.asarray(to_host(pending.addressable_shards[0].data)).reshape(())) > 0
 
     def __exit__(self, *exc: Any) -> None:
+        if self.step is not None:
+            self.step.signals = False
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)

@@ -12,7 +12,8 @@ skips a parameter without a gradient. The random key is split once per step and 
 device's position, so each step and each device draws its own dropout masks. `signal` (one float
 per device) comes back averaged over every device, in the same all-reduce as the gradients: a
 flag any process raises (fit's "stop and save", on SIGTERM) reaches every process at the same step
-without a collective of its own.
+without a collective of its own. `rng` and `signal` are None (no arrays at all) in steps that draw
+no random numbers or take no flag.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
             grad_fn = gradient if accumulate == 1 else accumulated
             (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
         replicated = [j for j, s in enumerate(sharded) if not s]
-        *means, signal = lax.pmean([grads[j] for j in replicated] + [signal.reshape(())], AXIS)
+        flag = [] if signal is None else [signal.reshape(())]  # None: no process may raise one
+        means = lax.pmean([grads[j] for j in replicated] + flag, AXIS)
+        if signal is not None:
+            *means, signal = means
         for j, g in zip(replicated, means):
             grads[j] = g
         grads = [g / devices if s else g for g, s in zip(grads, sharded)]

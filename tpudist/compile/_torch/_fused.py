@@ -95,6 +95,7 @@ class TrainStep:
         self._signal_raised = False
         self._signal_inputs: dict[bool, jax.Array] = {}
         self.signal: jax.Array | None = None
+        self.signals = False  # whether steps take the flag at all (fit turns it on while checkpointing)
         # the last step's signature, reused while nothing it depends on changed
         self._last: tuple | None = None
         self._last_keys: tuple | None = None
@@ -121,7 +122,8 @@ class TrainStep:
                                 + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
                                 + "; with loss_fn=None it takes the model's inputs, targets included")
             leaves, spec = _flatten(batch)
-            keys = tuple(_leaf_key(t) for t in leaves)
+            keys = tuple((t.shape, t.dtype, t.device.type) if type(t) is torch.Tensor else _leaf_key(t)
+                         for t in leaves)
             if keys != self._last_keys:  # a batch of another shape: check it (equal shapes passed before)
                 rows = batch_rows(leaves, self.local_devices * self.accumulate_steps, self.accumulate_steps)
             else:
@@ -130,13 +132,14 @@ class TrainStep:
         flags = tuple(m.training for m in self._submodules)
         last = self._last
         if last is not None and keys == self._last_keys and flags == last[0] and spec == last[1] \
-                and autocast_state() == last[2] and self._optimizer_structure() == self._structure:
+                and autocast_state() == last[2] and self.signals == last[4] \
+                and self._optimizer_structure() == self._structure:
             return last[3](leaves, isinstance(batch, DeviceBatch))  # the same signature as the last step
-        key = (flags, spec, keys, autocast_state())
+        key = (flags, spec, keys, autocast_state(), self.signals)
         program = self._programs.get(key)
         if program is None or self._optimizer_structure() != self._structure:
             program = self._new_signature(key, spec, leaves, keys, rows)
-        self._last, self._last_keys, self._last_rows = (flags, spec, key[3], program), keys, rows
+        self._last, self._last_keys, self._last_rows = (flags, spec, key[3], program, self.signals), keys, rows
         return program(leaves, isinstance(batch, DeviceBatch))
 
     def sync(self) -> None:
@@ -191,8 +194,10 @@ class TrainStep:
         return self._hyper
 
     def _optimizer_structure(self) -> tuple:
-        """What fixes the step's layout and update rules: param groups' membership and switches."""
-        return tuple((id(g["params"]), len(g["params"]), _optim.config(self.kind, self.optimizer, g))
+        """What fixes the step's layout and update rules: param groups' membership and switches
+        (read every step: kept to plain values, no objects built)."""
+        return tuple((id(g["params"]), len(g["params"]), g.get("momentum", 0) != 0, g.get("nesterov"),
+                      g.get("maximize"), g.get("amsgrad"), g.get("decoupled_weight_decay"), g.get("differentiable"))
                      for g in self.optimizer.param_groups)
 
     def _new_signature(self, key: Any, spec: Any, leaves: list[Any], keys: tuple, rows: int) -> "_Signature":
@@ -241,7 +246,6 @@ class _Signature:
         self.fixed: list[jax.Array] = []
         self.updated: list[jax.Array] = []
         self._generation = -1
-        self._no_rng: jax.Array | None = None
         self._batches: tuple[Any, Any] = (None, None)
         # small batch tensors on a CPU mesh: copied into reused device buffers (see Staging)
         tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(example) if isinstance(leaf, torch.Tensor)]
@@ -261,9 +265,10 @@ class _Signature:
 
     def __call__(self, leaves: list[Any], on_device: bool) -> LazyScalar:
         owner, mirror, plan = self.owner, self.owner.mirror, self.plan
-        reloads = mirror.reloads
-        mirror.prepare()
-        owner.stats.state_reloads += mirror.reloads - reloads
+        if mirror.torch_current or not mirror.device_current or mirror.shared:  # else nothing to do
+            reloads = mirror.reloads
+            mirror.prepare()
+            owner.stats.state_reloads += mirror.reloads - reloads
         if mirror.owner is not self:  # another signature (or torch) last wrote the buffers
             mirror.flush_owner()
         if self._generation != mirror.generation:
@@ -278,14 +283,9 @@ class _Signature:
             batch, staged = self._staging.put([leaves[i] for i in plan.batch_leaves])
         else:
             batch = [put(leaves[i], split=True) for i in plan.batch_leaves]
-        if self.random:
-            rng = owner.rng()
-        else:
-            if self._no_rng is None:
-                self._no_rng = put(np.zeros(2, np.uint32), split=False)
-            rng = self._no_rng
+        rng = owner.rng() if self.random else None
         args = (mirror.params, self.fixed, self.updated, mirror.states, mirror.counts, owner.hyperparameters(),
-                batch, rng, owner._signal_input())
+                batch, rng, owner._signal_input() if owner.signals else None)
         if self._executable is None:
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds

@@ -125,9 +125,8 @@ class Staging:
                 jax.block_until_ready(user)
             self._users[index] = None
         hosts, arrays = self.sets[index]
-        with torch.no_grad():
-            for host, t in zip(hosts, tensors):
-                host.copy_(t)  # int64 narrowed to int32 on the way
+        for host, t in zip(hosts, tensors):
+            host.copy_(t.detach() if t.requires_grad else t)  # int64 narrowed to int32 on the way
         return arrays, index
 
     def used(self, index: int, result: Any) -> None:

@@ -112,6 +112,12 @@ class Mirror:
                     self.generation += 1
         self.updated_keys.update(key for key, _ in updated)
 
+    @property
+    def shared(self) -> bool:
+        """Whether other fused steps train the same model (then each step checks them first)."""
+        mirrors = _MIRRORS.get(self.model)
+        return mirrors is not None and len(mirrors) > 1
+
     def prepare(self) -> None:
         """Makes the device arrays current before a step: uploads what torch changed (nothing,
         and no per-parameter work, between two steps)."""
