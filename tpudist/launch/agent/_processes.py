@@ -276,12 +276,16 @@ class ProcessSet:
         self._lock = threading.Lock()  # also keeps reaping away from a Popen being created
         self._popen_pids: set[int] = set()  # running Popen children: Popen reaps them, never `reap`
         self._kill_timer: threading.Timer | None = None
+        # A stop's delayed SIGKILL reaches every descendant of the agent, so it must never run once
+        # the next attempt started: `start` cancels it and holds `_killing` while it spawns.
+        self._killing = threading.Lock()
 
     def start(self, start: pb.Start) -> None:
         with self._lock:
             previous = list(self.procs)
+        self._cancel_kill_timer()
         self._kill(previous)  # a restart: whatever is left of the previous attempt goes first
-        with self._lock:
+        with self._killing, self._lock:
             self.grace_s = start.grace_s
             self.procs = [_Process(spec, start.attempt, self.worker, self.emit, self._after_exit)
                           for spec in start.processes]
@@ -301,11 +305,26 @@ class ProcessSet:
         with self._lock:
             procs = list(self.procs)
         self._signal(procs, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
-        if self._kill_timer is not None:
-            self._kill_timer.cancel()
-        self._kill_timer = threading.Timer(grace_s, self._kill, args=(procs,))
-        self._kill_timer.daemon = True
-        self._kill_timer.start()
+        self._cancel_kill_timer()
+        timer = threading.Timer(grace_s, self._kill_if_current, args=(procs,))
+        timer.daemon = True
+        with self._lock:
+            self._kill_timer = timer
+        timer.start()
+
+    def _cancel_kill_timer(self) -> None:
+        with self._lock:
+            timer, self._kill_timer = self._kill_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _kill_if_current(self, procs: list[_Process]) -> None:
+        """The delayed SIGKILL of `stop`, unless a later attempt has started since."""
+        with self._killing:
+            with self._lock:
+                current = procs == self.procs
+            if current:
+                self._kill(procs)
 
     def end(self, grace_s: float) -> None:
         """Stops everything (as `stop`) and returns once no process or descendant is left, or it gave up."""
