@@ -13,7 +13,8 @@ Single process, two comparisons per model and batch:
 (`scripts/_jax_reference.py`: MLP 32-16-4 at batch 8, MLP 32-256-4 at batch 64, a transformer
 block, ResNet-18 with BatchNorm), jitted with parameters and optimizer state donated, SGD with
 momentum on both sides: the whole train step (eager torch, the fused step, jax.jit) and
-forward+backward (eager, `tpudist.compile`, jax.jit of value_and_grad); ratios fused/JAX and
+forward+backward (eager, `tpudist.compile(model)` with the loss in eager torch,
+`tpudist.compile` of model and loss together, jax.jit of value_and_grad); ratios fused/JAX and
 compiled/JAX. Each side's time is the median over `--repeats` runs of `--steps` steps (a run ends
 when its last result is ready), the sides interleaved run by run.
 
@@ -181,7 +182,7 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     torch.manual_seed(0)
     model = ref.build()
     inputs, target = ref.batch(ref.batch_size, torch.Generator().manual_seed(0))
-    eager_model, fused_model, fb_model, compiled_model = (copy.deepcopy(model) for _ in range(4))
+    eager_model, fused_model, fb_model, compiled_model, loss_model = (copy.deepcopy(model) for _ in range(5))
     sgd = lambda ps: torch.optim.SGD(ps, lr=jr.LR, momentum=jr.MOMENTUM)  # noqa: E731
 
     params, state = ref.params_from(model)
@@ -212,13 +213,14 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     fused = tpudist.compile_train_step(fused_model, F.cross_entropy, sgd(fused_model.parameters()))
     batch = (*inputs, target)
     compiled = tpudist.compile(compiled_model)
+    with_loss = tpudist.compile(WithLoss(loss_model, F.cross_entropy))
     fb_params_torch, cm_params = list(fb_model.parameters()), list(compiled_model.parameters())
 
-    def fb(module: torch.nn.Module, params: list) -> Callable[[], Any]:
+    def fb(module: torch.nn.Module, params: list, loss_inside: bool = False) -> Callable[[], Any]:
         def step() -> Any:
             for p in params:
                 p.grad = None
-            loss = F.cross_entropy(module(*inputs), target)
+            loss = module(*inputs, target) if loss_inside else F.cross_entropy(module(*inputs), target)
             loss.backward()
             return loss
         return step
@@ -227,6 +229,7 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     sides = {"eager_step": (eager_step, nothing), "fused_step": (lambda: fused(batch), float),
              "jax_step": (jax_step, ready),
              "eager_fb": (fb(fb_model, fb_params_torch), nothing), "compiled_fb": (fb(compiled, cm_params), nothing),
+             "compiled_loss_fb": (fb(with_loss, list(loss_model.parameters()), loss_inside=True), nothing),
              "jax_fb": (lambda: forward_backward(fb_params, fb_state, x, y), ready)}
     first = {}
     for side, (step, wait) in sides.items():  # compiles happen here, timed apart
@@ -242,21 +245,24 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
            "fused_over_jax": times["fused_step"] / times["jax_step"],
            "eager_over_jax": times["eager_step"] / times["jax_step"],
            "compiled_over_jax": times["compiled_fb"] / times["jax_fb"],
+           "compiled_loss_over_jax": times["compiled_loss_fb"] / times["jax_fb"],
            "eager_fb_over_jax": times["eager_fb"] / times["jax_fb"],
            "first_call_s": first, "torch_threads": torch.get_num_threads()}
-    assert fused.stats.compiles == 1 and compiled.stats.compiles == 1, (fused.stats, compiled.stats)
+    assert fused.stats.compiles == 1 and compiled.stats.compiles == 1 and with_loss.stats.compiles == 1, \
+        (fused.stats, compiled.stats, with_loss.stats)
     return row
 
 
 def _jax_table(rows: list[dict[str, Any]]) -> str:
     header = (f"{'model':<12}{'batch':>6}{'eager step':>11}{'fused':>9}{'jax':>9}{'fused/jax':>10}"
-              f"{'eager fb':>10}{'compiled':>10}{'jax fb':>9}{'compiled/jax':>13}")
+              f"{'eager fb':>10}{'compiled':>10}{'+loss':>9}{'jax fb':>9}{'compiled/jax':>13}{'+loss/jax':>10}")
     lines = ["vs the same model written by hand in JAX (jax.jit, donated), ms per step (median); "
              "ratio = tpudist / JAX (<= 1: at the engine's floor)", header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['model']:<12}{r['batch']:>6}{r['eager_step_ms']:>11.3f}{r['fused_step_ms']:>9.3f}"
                      f"{r['jax_step_ms']:>9.3f}{r['fused_over_jax']:>9.2f}x{r['eager_fb_ms']:>10.3f}"
-                     f"{r['compiled_fb_ms']:>10.3f}{r['jax_fb_ms']:>9.3f}{r['compiled_over_jax']:>12.2f}x")
+                     f"{r['compiled_fb_ms']:>10.3f}{r['compiled_loss_fb_ms']:>9.3f}{r['jax_fb_ms']:>9.3f}"
+                     f"{r['compiled_over_jax']:>12.2f}x{r['compiled_loss_over_jax']:>9.2f}x")
     return "\n".join(lines)
 
 
@@ -266,9 +272,9 @@ def _draw(json_path: Path, rows: list[dict[str, Any]], jax_rows: list[dict[str, 
     png = json_path.with_suffix(".png")
     if jax_rows:
         _plots.time_bars(jax_rows, png, keys=["eager_step_ms", "fused_step_ms", "jax_step_ms", "eager_fb_ms",
-                                              "compiled_fb_ms", "jax_fb_ms"],
+                                              "compiled_fb_ms", "compiled_loss_fb_ms", "jax_fb_ms"],
                          labels=["eager step", "fused step", "jax.jit step", "eager fwd+bwd", "compiled fwd+bwd",
-                                 "jax fwd+bwd"], log=True,
+                                 "compiled, loss inside", "jax fwd+bwd"], log=True,
                          title="tpudist (torch) vs the same model by hand in JAX, ms per step")
     else:
         _plots.time_bars(rows, png, keys=["eager_ms", "compiled_ms", "eager_train_ms", "fused_train_ms"],

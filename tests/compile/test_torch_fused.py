@@ -108,6 +108,27 @@ def test_param_groups_lr_schedule_and_clipping_match_eager():
     assert step.stats.compiles == 1  # a new learning rate is an argument, not a recompile
 
 
+def test_hand_edits_of_param_groups_between_steps_are_seen_as_eager_torch_sees_them():
+    # a tensor learning rate changed in place, a momentum switched on, a group added: each takes
+    # effect on the next step, as it does for torch.optim
+    model, ref = mlp(), mlp()
+    opts = [torch.optim.SGD(m[0].parameters(), lr=torch.tensor(0.1)) for m in (model, ref)]
+    step = tpudist.compile_train_step(model, F.cross_entropy, opts[0])
+    edits = [lambda o, m: o.param_groups[0]["lr"].fill_(0.02),
+             lambda o, m: o.param_groups[0].update(momentum=0.9),
+             lambda o, m: o.add_param_group({"params": list(m[3].parameters()), "lr": 0.05}),
+             lambda o, m: None]
+    for batch, edit in zip(batches(count=4), edits):
+        step(batch)
+        eager_train(ref, opts[1], [batch])
+        for opt, m in zip(opts, (model, ref)):
+            edit(opt, m)
+    step(batches(count=1)[0])
+    eager_train(ref, opts[1], batches(count=1))
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(*opts)
+
+
 def conv_net() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),

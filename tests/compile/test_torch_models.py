@@ -259,6 +259,41 @@ def test_signatures_accumulation_unused_parameters_and_stale_backward():
         loss.backward()
 
 
+def test_a_module_returning_its_loss_gets_eager_gradients_for_any_cotangent():
+    # A scalar output's forward and backward run as one executable; whatever scales the loss
+    # afterwards (a mean over micro-batches, a GradScaler, the loss used twice) must still
+    # reach every .grad as it does in eager torch.
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.net(x), y)
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    eager = copy.deepcopy(model)
+    cm = tpudist.compile(model)
+    g = torch.Generator().manual_seed(3)
+    for scale in (lambda l: l, lambda l: l * 0.25, lambda l: l + 2 * l, lambda l: -l.exp()):
+        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for m in (model, eager):
+            m.zero_grad()
+        loss, eager_loss = cm(xc, y), eager(xe, y)
+        _assert_same("loss", loss, eager_loss)
+        scale(loss).backward()
+        scale(eager_loss).backward()
+        _assert_same("input grad", xc.grad, xe.grad)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            _assert_same(name, p.grad, q.grad)
+    loss = cm(x, y)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_parameters_cross_to_xla_without_copies():
     from tpudist.compile._torch._convert import to_jax
     weight = torch.nn.Linear(16, 16).weight

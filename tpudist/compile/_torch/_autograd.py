@@ -14,7 +14,7 @@ import jax
 import torch
 from torch.autograd.function import once_differentiable
 
-from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._convert import to_torch
 
 
 class XlaCall:
@@ -57,5 +57,5 @@ class XlaFunction(torch.autograd.Function):
             raise RuntimeError("torch -> XLA: a second backward through the same compiled forward; its "
                                "residuals are freed by the first (retain_graph=True is not supported). "
                                "Run the compiled module again, or sum the losses and call backward once.")
-        input_grads = ctx.program.backward(vjp, [to_jax(g) for g in grads])
+        input_grads = ctx.program.backward(vjp, list(grads))
         return (None, *(to_torch(g, dtype) for g, dtype in zip(input_grads, ctx.input_dtypes)))

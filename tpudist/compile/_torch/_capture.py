@@ -32,6 +32,9 @@ from tpudist.compile._torch._outputs import FlatOutputs, Template
 from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup, unsupported_message
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+# one cheap check before the per-device ones (read before every step); torch's own, where it has it
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled",
+                        lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES))
 
 
 class CaptureError(TypeError):
@@ -82,6 +85,8 @@ def _decompositions() -> Any:
 
 def autocast_state() -> tuple:
     """The autocast settings in force, per device type: part of a capture's signature."""
+    if not _any_autocast():
+        return ()
     return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(device))
 

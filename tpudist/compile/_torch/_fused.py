@@ -90,6 +90,9 @@ class TrainStep:
         self._rng_seed: int | None = None
         self._hyper: jax.Array | None = None
         self._hyper_rows: list[list[float]] | None = None
+        self._hyper_stale = True
+        self._group_values: tuple | None = None  # the param groups' values at the last step
+        self._group_plain = False  # ... all plain Python values (a tensor may change in place)
         # a flag raised on any process reaches all of them with the next step's all-reduce (see
         # _body); `raise_signal()` sets it here, `signal` holds the last step's agreed value
         self._signal_raised = False
@@ -122,22 +125,22 @@ class TrainStep:
                                 + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
                                 + "; with loss_fn=None it takes the model's inputs, targets included")
             leaves, spec = _flatten(batch)
-            keys = tuple((t.shape, t.dtype, t.device.type) if type(t) is torch.Tensor else _leaf_key(t)
-                         for t in leaves)
+            keys = tuple([(t.shape, t.dtype, t.device) if type(t) is torch.Tensor else _leaf_key(t)
+                          for t in leaves])
             if keys != self._last_keys:  # a batch of another shape: check it (equal shapes passed before)
                 rows = batch_rows(leaves, self.local_devices * self.accumulate_steps, self.accumulate_steps)
             else:
                 rows = self._last_rows
         self.stats.calls += 1
-        flags = tuple(m.training for m in self._submodules)
+        flags = tuple([m.training for m in self._submodules])
+        same_structure = not self._groups_changed() or self._optimizer_structure() == self._structure
         last = self._last
         if last is not None and keys == self._last_keys and flags == last[0] and spec == last[1] \
-                and autocast_state() == last[2] and self.signals == last[4] \
-                and self._optimizer_structure() == self._structure:
+                and autocast_state() == last[2] and self.signals == last[4] and same_structure:
             return last[3](leaves, isinstance(batch, DeviceBatch))  # the same signature as the last step
         key = (flags, spec, keys, autocast_state(), self.signals)
         program = self._programs.get(key)
-        if program is None or self._optimizer_structure() != self._structure:
+        if program is None or not same_structure:
             program = self._new_signature(key, spec, leaves, keys, rows)
         self._last, self._last_keys, self._last_rows = (flags, spec, key[3], program, self.signals), keys, rows
         return program(leaves, isinstance(batch, DeviceBatch))
@@ -187,11 +190,26 @@ class TrainStep:
     def hyperparameters(self) -> jax.Array:
         """Every param group's row of hyperparameters on the devices, re-sent only when one changed
         (an LR schedule, a hand edit)."""
-        rows = [_optim.hyper_row(self.kind, g) for g in self.optimizer.param_groups]
-        if rows != self._hyper_rows:
-            self._hyper_rows = rows
-            self._hyper = self.placement.put(np.asarray(rows, np.float32).reshape(len(rows), _optim.FIELDS), False)
+        if self._hyper_stale or self._hyper is None:
+            rows = [_optim.hyper_row(self.kind, g) for g in self.optimizer.param_groups]
+            if rows != self._hyper_rows:
+                self._hyper_rows = rows
+                self._hyper = self.placement.put(np.asarray(rows, np.float32).reshape(len(rows), _optim.FIELDS),
+                                                 False)
+            self._hyper_stale = False
         return self._hyper
+
+    def _groups_changed(self) -> bool:
+        """Whether any param group's values changed since the last step (one read of each; then the
+        hyperparameter table is rebuilt and the optimizer's structure checked)."""
+        values = tuple((id(g["params"]), len(g["params"]), *map(g.get, _GROUP_FIELDS))
+                       for g in self.optimizer.param_groups)
+        if self._group_plain and values == self._group_values:
+            return False
+        self._group_values = values
+        self._group_plain = all(_plain(v) for row in values for v in row)
+        self._hyper_stale = True
+        return True
 
     def _optimizer_structure(self) -> tuple:
         """What fixes the step's layout and update rules: param groups' membership and switches
@@ -252,13 +270,11 @@ class _Signature:
         batch_examples = [tensors[i] for i in self.plan.batch_leaves] if len(tensors) == len(
             torch.utils._pytree.tree_leaves(example)) else []
         self._staging: Staging | None = None
-        self._staged_dtypes: list[torch.dtype] = []
         if batch_examples and all(Staging.fits(owner.placement, t) for t in batch_examples):
             rows = owner.local_devices * owner.accumulate_steps
             full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in batch_examples]
             try:
                 self._staging = Staging(owner.placement, full)
-                self._staged_dtypes = [t.dtype for t in batch_examples]
             except RuntimeError:  # this platform copies host memory on import: no reuse possible
                 self._staging = None
         owner.mirror.register(self.plan.fixed, self.plan.updated)
@@ -279,7 +295,7 @@ class _Signature:
         staged = None
         if on_device:
             batch = [leaves[i] for i in plan.batch_leaves]
-        elif self._staging is not None and all(leaves[i].dtype == d for i, d in zip(plan.batch_leaves, self._staged_dtypes)):
+        elif self._staging is not None:  # the signature fixes the dtypes the buffers were made for
             batch, staged = self._staging.put([leaves[i] for i in plan.batch_leaves])
         else:
             batch = [put(leaves[i], split=True) for i in plan.batch_leaves]
@@ -311,6 +327,18 @@ class _Signature:
         # before optimizer.step()" warning: the update did run, inside the executable
         owner.optimizer._opt_called = True  # type: ignore[attr-defined]
         return LazyScalar(losses)
+
+
+# what a param group holds besides its parameters (any optimizer the fused step implements)
+_GROUP_FIELDS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "betas", "eps", "amsgrad",
+                 "decoupled_weight_decay", "differentiable")
+
+
+def _plain(value: Any) -> bool:
+    """A value that compares by value and cannot change in place (not a tensor)."""
+    if type(value) is tuple:
+        return all(_plain(v) for v in value)
+    return value is None or type(value) in (bool, int, float)
 
 
 def _flatten(batch: Any) -> tuple[list[Any], Any]:

@@ -92,7 +92,7 @@ class CompiledModule(torch.nn.Module):
 
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device.type)
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
     try:
         hash(leaf)
     except TypeError:

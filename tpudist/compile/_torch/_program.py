@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataclasses import dataclass
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -50,6 +53,7 @@ class Program:
             self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
             self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
             self._backward = jax.jit(lambda vjp, cotangents: _apply_vjp(vjp, cotangents))
+            self._scale = jax.jit(lambda grads, c: [(g * c).astype(g.dtype) for g in grads])
         else:
             # one SPMD program over the processes (see _spmd); backward recomputes the forward
             self._forward = jax.jit(lambda arrays, seed: self._spmd.run(arrays, seed))
@@ -67,6 +71,12 @@ class Program:
             return [outs[i] for i in self._float], [outs[i] for i in self._rest]
 
         primal, vjp, rest = jax.vjp(differentiable, [arrays[p] for p in diff], has_aux=True)
+        if len(primal) == 1 and primal[0].shape == () and jnp.issubdtype(primal[0].dtype, jnp.floating):
+            # A scalar output (a loss): its VJP is linear in the one cotangent, so the gradients
+            # for a cotangent of 1 come out of this same executable, forward and backward fused
+            # as jax.value_and_grad is; backward only scales them (see `backward`).
+            (grads,) = vjp([jnp.ones_like(primal[0])])
+            return primal, rest, _Scaled(grads)
         return primal, rest, vjp
 
     def _spmd_backward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array,
@@ -98,8 +108,15 @@ class Program:
             return [spmd.to_local(g) for g in grads]
         return [outs[i] for i in self._float], [outs[i] for i in self._rest], vjp
 
-    def backward(self, vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
-        """Gradients of the differentiated inputs: one XLA executable."""
+    def backward(self, vjp: Any, cotangents: list[torch.Tensor]) -> list[jax.Array]:
+        """Gradients of the differentiated inputs: one XLA executable, none for a scalar output
+        whose cotangent is 1 (`loss.backward()`)."""
+        if isinstance(vjp, _Scaled):
+            (cotangent,) = cotangents
+            if bool(cotangent == 1):  # a torch CPU scalar: no device read
+                return vjp.grads
+            return self._scale(vjp.grads, to_jax(cotangent))
+        cotangents = [to_jax(g) for g in cotangents]
         if self._spmd is not None:
             return vjp(cotangents)
         structure = jax.tree_util.tree_structure((vjp, cotangents))
@@ -161,6 +178,14 @@ class Program:
                 else:
                     user.append(value)
         return self.captured.template.rebuild(user)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class _Scaled:
+    """The gradients of a scalar output for a cotangent of 1, standing in for its VJP closure."""
+
+    grads: list[jax.Array]
 
 
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:

@@ -92,6 +92,7 @@ class Mirror:
         self._hooks = _install_hooks(self, model, optimizer)
         for module in model.modules():  # a submodule read on its own is a door too
             _MIRRORS.setdefault(module, weakref.WeakSet()).add(self)
+        self._peers = _MIRRORS[model]  # every mirror of this model, this one included
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -115,8 +116,7 @@ class Mirror:
     @property
     def shared(self) -> bool:
         """Whether other fused steps train the same model (then each step checks them first)."""
-        mirrors = _MIRRORS.get(self.model)
-        return mirrors is not None and len(mirrors) > 1
+        return len(self._peers) > 1
 
     def prepare(self) -> None:
         """Makes the device arrays current before a step: uploads what torch changed (nothing,
