@@ -339,6 +339,7 @@ def bench_hf(name: str, batch: int, steps: int, repeats: int, warmup: int, devic
     compiled_step()
     sync()
     first_call = time.perf_counter() - start
+    eager_step()  # the same train-mode forward on both sides: BatchNorm's running statistics agree
     eager.eval()
     model.eval()
     with torch.no_grad():  # in eval mode: no dropout, so the two sides must agree
