@@ -59,7 +59,7 @@ import tpudist  # noqa: E402
 from torch_models import REFERENCES, WithLoss  # noqa: E402
 
 
-def _time_interleaved(steps_by_side: dict[str, Callable[[], None]], steps: int, repeats: int,
+def _time_interleaved(steps_by_side: dict[str, Callable[[], Any]], steps: int, repeats: int,
                       sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Best mean seconds per step of each side over `repeats` runs of `steps` steps. The sides
     alternate run by run, so a burst of load from other processes hits both alike. `sync` waits
@@ -70,10 +70,17 @@ def _time_interleaved(steps_by_side: dict[str, Callable[[], None]], steps: int, 
             sync()
             start = time.perf_counter()
             for _ in range(steps):
-                step()
+                result = step()
+            _wait(result)
             sync()
             best[side] = min(best[side], (time.perf_counter() - start) / steps)
     return best
+
+
+def _wait(result: Any) -> None:
+    """Waits for a step's result: the fused step returns its loss without waiting for the step."""
+    if isinstance(result, tpudist.LazyScalar):
+        float(result)
 
 
 def _step_fn(module: torch.nn.Module, params: list[torch.nn.Parameter], inputs: tuple, target: torch.Tensor):
@@ -119,8 +126,8 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
     fused = tpudist.compile_train_step(fused_model, ref.loss, _sgd(fused_model.parameters()))
     batch_tuple = (*inputs, target)
 
-    def fused_step() -> None:
-        fused(batch_tuple)
+    def fused_step() -> Any:
+        return fused(batch_tuple)
 
     start = time.perf_counter()
     compiled_step()  # capture + XLA compile of forward and backward
@@ -390,8 +397,8 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                 fused = tpudist.compile_train_step(model, ref.loss, _sgd(model.parameters()))
                 batch_tuple = (*inputs, target)
 
-                def fused_step() -> None:
-                    fused(batch_tuple)
+                def fused_step() -> Any:
+                    return fused(batch_tuple)
 
                 start = time.perf_counter()
                 fused_step()
