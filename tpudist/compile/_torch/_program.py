@@ -7,9 +7,8 @@ torch tensors in, XLA, torch tensors out, buffers updated in place as eager torc
 
 from __future__ import annotations
 
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
