@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import tpudist
+from _report import text_table  # scripts/_report.py
 
 MIB = 1 << 20
 
@@ -94,9 +95,7 @@ def _job(index: int, cfg: Config, directory: str) -> dict:
 def _table(rows: list[dict]) -> str:
     cols = ["process", "shard_mib", "written_mib", "save_s", "restore_s", "async_block_s", "async_total_s",
             "save_mib_per_s", "restore_mib_per_s"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    line = lambda values: "  ".join(str(v).rjust(w) for v, w in zip(values, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line([r[c] for c in cols]) for r in rows])
+    return text_table(rows, cols)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import tpudist
+from _report import text_table  # scripts/_report.py
 
 VARIANTS = ("replicated", "sharded/psum", "sharded/psum_scatter", "sharded/all_to_all")
 MIB = 1 << 20
@@ -106,9 +107,7 @@ def _job(index: int, cfg: Config) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     cols = ["processes", "variant", "step_ms", "examples_per_s", "table_mib_per_device",
             "xla_mib_per_device", "temp_mib_per_device"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    line = lambda values: "  ".join(str(v).rjust(w) for v, w in zip(values, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line([r[c] for c in cols]) for r in rows])
+    return text_table(rows, cols)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,9 +121,8 @@ class Mirror:
     def prepare(self) -> None:
         """Makes the device arrays current before a step: uploads what torch changed (nothing,
         and no per-parameter work, between two steps)."""
-        mirrors = _MIRRORS.get(self.model)
-        if mirrors is not None and len(mirrors) > 1:
-            for other in list(mirrors):
+        if self.shared:
+            for other in list(self._peers):
                 if other is not self and not other.torch_current:
                     other.sync()  # another step trained this model since: its values first
                     self.torch_current = True
