@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import torch
+import torch.utils.dlpack
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _jaxcompat, contract
@@ -37,6 +38,26 @@ def test_import_buffer_shares_host_memory_without_a_copy():
     tensor = torch.arange(5, dtype=torch.int64)
     from_torch = _jaxcompat.import_buffer(tensor, device)
     assert from_torch is not None and from_torch.unsafe_buffer_pointer() == tensor.data_ptr()
+
+
+def test_import_buffer_takes_a_dlpack_capsule_as_it_takes_the_tensor():
+    device = jax.local_devices(backend="cpu")[0]
+    tensor = torch.arange(6, dtype=torch.float32)
+    array = _jaxcompat.import_buffer(torch.utils.dlpack.to_dlpack(tensor), device)
+    assert array is not None and array.unsafe_buffer_pointer() == tensor.data_ptr()
+    np.testing.assert_array_equal(np.asarray(array), np.arange(6, dtype=np.float32))
+
+
+def test_export_buffer_hands_torch_the_arrays_memory_once_its_computation_is_done():
+    x = jax.numpy.arange(1 << 16, dtype=jax.numpy.float32)
+    slow = jax.jit(lambda v: jax.lax.fori_loop(0, 200, lambda i, a: jax.numpy.sin(a) + 1.0, v))
+    expected = np.asarray(slow(x))
+    fresh = slow(x)  # dispatched, not waited for: the export must wait
+    capsule = _jaxcompat.export_buffer(fresh)
+    assert capsule is not None, "the private DLPack export is gone: every compiled-module output now pays the public path"
+    tensor = torch.utils.dlpack.from_dlpack(capsule)
+    assert tensor.data_ptr() == fresh.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(tensor.numpy(), expected)
 
 
 def test_import_buffer_returns_none_where_dlpack_cannot_carry_the_value():

@@ -32,8 +32,16 @@ from tpudist.compile._torch.ops.collective import over_axis
 
 
 def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: int, accumulate: int,
-              random: bool, max_norm: float | None) -> Callable[..., Any]:
-    """The per-device step for one captured graph (`run`, from `_lower.lower`)."""
+              random: bool, max_norm: float | None, collective: bool = True) -> Callable[..., Any]:
+    """The per-device step for one captured graph (`run`, from `_lower.lower`).
+
+    `collective=False` (one device, nothing sharded: the caller then passes the batch and the
+    signal replicated, so every value is the same on "all" devices) leaves the averaging out:
+    XLA:CPU keeps an all-reduce even over one device, and it cost ~150 us a step on the
+    transformer benchmark (a tuple all-reduce of every gradient, which also keeps the updates
+    from fusing with the gradients' producers)."""
+    vary = (lambda x: lax.pcast(x, AXIS, to="varying")) if collective else (lambda x: x)
+    mean = (lambda xs: lax.pmean(xs, AXIS)) if collective else (lambda xs: xs)
     slots, trainable = plan.slots, plan.trainable
     entries = layout.entries
     sharded = [entries[i].sharded for i in trainable]
@@ -56,7 +64,7 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
         """Gradients summed over `accumulate` slices of the batch, run one after another (the
         updated BatchNorm statistics of one feed the next, as K eager forwards do), then averaged."""
         micro = [b.reshape((accumulate, b.shape[0] // accumulate) + b.shape[1:]) for b in batch]
-        updated = [lax.pcast(u, AXIS, to="varying") for u in updated]  # replicated in, per device out
+        updated = [vary(u) for u in updated]  # replicated in, per device out
 
         def one(carry, xs):
             grads, loss, updated = carry
@@ -67,7 +75,7 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
             return ([a + b for a, b in zip(grads, g)], loss + l, new), None
 
         zeros = [jnp.zeros_like(p) for p in own]  # of `own`: already per device
-        start = (zeros, lax.pcast(jnp.float32(0), AXIS, to="varying"), updated)
+        start = (zeros, vary(jnp.float32(0)), updated)
         (grads, loss, updated), _ = lax.scan(one, start, (jnp.arange(accumulate), micro))
         return (loss / accumulate, updated), [g / accumulate for g in grads]
 
@@ -79,13 +87,13 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
             key = None
         # differentiate each device's own loss: marked as varying over the axis, a replicated
         # parameter's gradient is this device's alone (not implicitly summed by the transpose)
-        own = [params[i] if s else lax.pcast(params[i], AXIS, to="varying") for i, s in zip(trainable, sharded)]
+        own = [params[i] if s else vary(params[i]) for i, s in zip(trainable, sharded)]
         with over_axis(AXIS, devices):
             grad_fn = gradient if accumulate == 1 else accumulated
             (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
         replicated = [j for j, s in enumerate(sharded) if not s]
         flag = [] if signal is None else [signal.reshape(())]  # None: no process may raise one
-        means = lax.pmean([grads[j] for j in replicated] + flag, AXIS)
+        means = mean([grads[j] for j in replicated] + flag)
         if signal is not None:
             *means, signal = means
         for j, g in zip(replicated, means):
@@ -97,8 +105,9 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
         for j, (i, cfg, g) in enumerate(zip(trainable, configs, groups)):
             new_params[i], new_states[i] = _optim.update(cfg, params[i], grads[j], tuple(states[i]), hyper[g],
                                                          counts[i])
-        new_updated = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
-                       for b in new_updated]
+        if collective:
+            new_updated = [lax.pmean(b, AXIS) if jnp.issubdtype(b.dtype, jnp.floating) else lax.pmax(b, AXIS)
+                           for b in new_updated]
         return new_params, new_updated, new_states, counts + stepped, loss.reshape(1), rng, signal
 
     return body

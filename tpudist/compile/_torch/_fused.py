@@ -249,11 +249,15 @@ class _Signature:
         layout = owner.layout
         self.plan = plan(captured, owner._objective, layout)
         self.random = captured.has_random
+        # one device and nothing sharded: no averaging at all (see make_body)
+        collective = owner.mesh.devices.size > 1 or any(e.sharded for e in layout.entries)
         body = make_body(self.plan, layout, lower(captured), devices=owner.mesh.devices.size,
-                         accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm)
+                         accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm,
+                         collective=collective)
         param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
         state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
-        in_specs = (param_specs, P(), P(), state_specs, P(), P(), P(AXIS), P(), P(AXIS))
+        split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
+        in_specs = (param_specs, P(), P(), state_specs, P(), P(), split, P(), split)
         out_specs = (param_specs, P(), state_specs, P(), P(AXIS), P(), P())
         self.step = compile_jax(body, mesh=owner.mesh, in_specs=in_specs, out_specs=out_specs, per_device=True,
                                 donate_argnums=(0, 2, 3, 4), name=f"train step ({type(owner.model).__name__})")

@@ -64,7 +64,11 @@ class CompiledModule(torch.nn.Module):
         sync_module(self.module)  # a fused step training this module may hold newer values
         stats = self._stats
         stats.calls += 1
-        leaves, spec = tree_flatten((args, kwargs))
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            # the common call, cm(x) / cm(x, y): no pytree walk (tens of us a call)
+            leaves, spec = list(args), len(args)
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
         key = (tuple(m.training for m in self._submodules), spec, tuple(_leaf_key(leaf) for leaf in leaves),
                autocast_state())
         program = self._programs.get(key)

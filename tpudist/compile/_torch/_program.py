@@ -36,6 +36,9 @@ class Program:
         self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
         # parameters and buffers the graph only reads cross once, as views (see ViewCache)
         self._long_lived = [slot.kind in ("param", "buffer", "constant") and not slot.mutated for slot in self._slots]
+        # inputs that are differentiated whenever the call's tensor there requires grad
+        self._differentiable = tuple(i for i, slot in enumerate(self._slots)
+                                     if slot.used and slot.kind in ("param", "input"))
         self._views = ViewCache()
         outputs = captured.outputs
         # floating user outputs go through autograd; everything else (ints, buffer updates) does not
@@ -43,6 +46,7 @@ class Program:
                             and (o.dtype.is_floating_point or o.dtype.is_complex))
         self._rest = tuple(i for i in range(len(outputs)) if i not in self._float)
         self.float_output_dtypes = [outputs[i].dtype for i in self._float]
+        self._writes_back = any(o.kind in ("buffer", "input") for o in outputs)  # else all outputs are the user's
         # fresh callables per program: jit caches per underlying function, and executables()
         # must count this program's executables only
         self._spmd = ProcessMesh(self._run) if captured.collective else None
@@ -112,7 +116,7 @@ class Program:
         whose cotangent is 1 (`loss.backward()`)."""
         if isinstance(vjp, _Scaled):
             (cotangent,) = cotangents
-            if bool(cotangent == 1):  # a torch CPU scalar: no device read
+            if (cotangent.item() if cotangent.device.type == "cpu" else bool(cotangent == 1)) == 1:
                 return vjp.grads
             return self._scale(vjp.grads, to_jax(cotangent))
         cotangents = [to_jax(g) for g in cotangents]
@@ -141,10 +145,8 @@ class Program:
 
     def __call__(self, leaves: list[Any]) -> Any:
         tensors = [resolve(leaves) for resolve in self._resolve]
-        grad = torch.is_grad_enabled()
-        diff = tuple(i for i, (t, slot) in enumerate(zip(tensors, self._slots))
-                     if grad and slot.used and slot.kind in ("param", "input") and t.requires_grad
-                     and (t.is_floating_point() or t.is_complex()))
+        diff = tuple(i for i in self._differentiable if tensors[i].requires_grad
+                     and (tensors[i].is_floating_point() or tensors[i].is_complex())) if torch.is_grad_enabled() else ()
         arrays = [self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
                   for i, (t, slot) in enumerate(zip(tensors, self._slots))]
         seed = _seed() if self.captured.has_random else np.uint32(0)
@@ -166,6 +168,8 @@ class Program:
         return self._finish(outputs, leaves, tensors)
 
     def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor]) -> Any:
+        if not self._writes_back:
+            return self.captured.template.rebuild(outputs)
         user = []
         with torch.no_grad():
             for value, slot in zip(outputs, self.captured.outputs):

@@ -35,6 +35,7 @@ import torch
 
 from tpudist import contract
 from tpudist.compile._torch import _optim
+from tpudist.compile._torch._convert import torch_view
 
 if TYPE_CHECKING:
     from tpudist.compile._torch._placement import Placement
@@ -53,7 +54,7 @@ def to_host(array: jax.Array) -> Any:
     memory, else a numpy copy (one device-to-host transfer)."""
     crossings["to_host"] += 1
     if HOST_VIEW is not False and next(iter(array.devices())).platform == "cpu":
-        return torch.from_dlpack(array)
+        return torch_view(array)
     return np.asarray(jax.device_get(array))
 
 
