@@ -280,6 +280,23 @@ def test_autocast_around_the_fused_step_is_honoured_as_in_eager():
     assert step.stats.compiles == 2
 
 
+def test_the_stop_flag_comes_back_for_the_step_it_went_in_and_training_is_unchanged():
+    # one process, one device: the step carries the flag without any collective (fit's SIGTERM path)
+    data = batches(count=4)
+    model, ref = mlp(), mlp()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    step, ref_opt = tpudist.compile_train_step(model, F.cross_entropy, make(model.parameters())), make(ref.parameters())
+    step.signals = True
+    seen = []
+    for i, batch in enumerate(data):
+        step.raise_signal(i == 2)
+        step(batch)
+        seen.append(float(np.asarray(step.signal)))
+    assert seen == [0.0, 0.0, 1.0, 0.0]
+    eager_train(ref, ref_opt, data)
+    assert_same_state(model, ref)
+
+
 def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch():
     data = batches(n=8, count=3)
     model, whole, ref = mlp(), mlp(), mlp()

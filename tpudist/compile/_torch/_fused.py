@@ -249,8 +249,7 @@ class _Signature:
         layout = owner.layout
         self.plan = plan(captured, owner._objective, layout)
         self.random = captured.has_random
-        # one device and nothing sharded: no averaging at all (see make_body)
-        collective = owner.mesh.devices.size > 1 or any(e.sharded for e in layout.entries)
+        collective = _averages(owner.mesh.devices.size, layout)
         body = make_body(self.plan, layout, lower(captured), devices=owner.mesh.devices.size,
                          accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm,
                          collective=collective)
@@ -406,3 +405,16 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
     """
     return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm,
                      accumulate_steps=accumulate_steps)
+
+
+def _averages(devices: int, layout: Any) -> bool:
+    """Whether the step averages its gradients over the devices in an all-reduce.
+
+    Not on one device with nothing sharded (see make_body), except where a trained parameter has
+    3 or more dims (convolution kernels): XLA:CPU's convolutions give their kernel gradients in
+    its own layout, and without the all-reduce in between it fuses the transpose into torch's
+    layout into the optimizer update as a strided read; measured 5% slower on ResNet-18 than
+    the all-reduce's separate, tiled transpose."""
+    if devices > 1 or any(e.sharded for e in layout.entries):
+        return True
+    return any(e.param.ndim >= 3 for e in layout.entries)
