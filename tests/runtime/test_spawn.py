@@ -169,8 +169,11 @@ def start_daemon(index: int, pid_dir: str, fail: bool) -> int:
     if child == 0:
         os.setsid()
         if os.fork() == 0:
-            with open(os.path.join(pid_dir, str(index)), "w") as f:
+            # Written then renamed: the parent waits for the name, so it must never see an empty file.
+            tmp = os.path.join(pid_dir, f".{index}.tmp")
+            with open(tmp, "w") as f:
                 f.write(str(os.getpid()))
+            os.rename(tmp, os.path.join(pid_dir, str(index)))
             time.sleep(120)
         os._exit(0)
     os.waitpid(child, 0)
