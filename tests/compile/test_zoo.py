@@ -159,7 +159,9 @@ def test_three_fused_steps_match_eager_torch_optim(name):
     entry = ZOO[name]
     model = build(name)
     eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+    # a rate at which every model descends: where the loss climbs (MobileNetV2 at 0.05: 1.0 -> 4.0 -> 6.1)
+    # rounding differences grow ~200x a step, and the comparison measures luck, not the bridge
+    make = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)
     step = tpudist.compile_train_step(model, None, make(model.parameters()))
     eager_opt, exact_opt = make(eager.parameters()), make(exact.parameters())
     for i in range(3):

@@ -22,13 +22,14 @@ class XlaCall:
 
     program: the cache entry (see _module.Program); arrays: every tensor input as a JAX array;
     diff: positions in `arrays` to differentiate; seed: the per-call RNG seed.
-    After forward, `rest` holds the outputs that bypass autograd (non-float user outputs, buffer
+    After forward, `first` is one of its outputs and `rest` holds the outputs that bypass autograd (non-float user outputs, buffer
     and input updates), in the program's order of non-differentiable outputs.
     """
 
     def __init__(self, program: Any, arrays: list[jax.Array], diff: tuple[int, ...], seed: Any):
         self.program, self.arrays, self.diff, self.seed = program, arrays, diff, seed
         self.rest: list[jax.Array] = []
+        self.first: jax.Array | None = None  # one output of the executable, to wait for it later
 
 
 class XlaFunction(torch.autograd.Function):
@@ -40,6 +41,8 @@ class XlaFunction(torch.autograd.Function):
         # for the executable, after which XLA no longer reads the input views
         primal, rest, vjp = call.program.forward_with_vjp(call.diff, call.arrays, call.seed)
         call.rest = list(rest)
+        call.first = primal[0]
+        ctx.packing = call.program.packing(call.diff, call.arrays)
         call.arrays = None  # drop the input views: only the VJP's residuals stay alive
         ctx.vjp, ctx.program = vjp, call.program
         ctx.input_dtypes = [t.dtype for t in diff_tensors]
@@ -57,5 +60,4 @@ class XlaFunction(torch.autograd.Function):
             raise RuntimeError("torch -> XLA: a second backward through the same compiled forward; its "
                                "residuals are freed by the first (retain_graph=True is not supported). "
                                "Run the compiled module again, or sum the losses and call backward once.")
-        input_grads = ctx.program.backward(vjp, list(grads))
-        return (None, *(to_torch(g, dtype) for g, dtype in zip(input_grads, ctx.input_dtypes)))
+        return (None, *ctx.program.backward(vjp, list(grads), ctx.packing, ctx.input_dtypes))

@@ -8,6 +8,7 @@ would have produced. Same-width tensors cross through DLPack, zero-copy on CPU.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import jax
@@ -87,8 +88,18 @@ def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+SPIN_SECONDS = 50e-6  # how long a crossing polls for a result before it blocks
+
+
 def torch_view(array: jax.Array) -> torch.Tensor:
     """A torch tensor sharing `array`'s memory (DLPack), once the array is ready."""
+    if not array.is_ready():
+        # XLA:CPU runs executables on its own threads; blocking on the result costs a thread
+        # wake-up (~20 us here, measured: a small MLP's forward+backward waited for 35 us against
+        # 15 us polled), which is most of a small model's call. Poll briefly, then block.
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while not array.is_ready() and time.perf_counter() < deadline:
+            pass
     capsule = export_buffer(array)
     return torch.utils.dlpack.from_dlpack(capsule) if capsule is not None else torch.from_dlpack(array)
 

@@ -19,6 +19,8 @@ from tpudist.compile._torch._autograd import XlaCall, XlaFunction
 from tpudist.compile._torch._capture import Captured
 from tpudist.compile._torch._convert import ViewCache, to_jax, to_torch
 from tpudist.compile._torch._lower import lower
+from tpudist.compile._torch._pack import Packing
+from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch._spmd import ProcessMesh
 
 
@@ -52,10 +54,14 @@ class Program:
         self._spmd = ProcessMesh(self._run) if captured.collective else None
         self._compiled_forward: dict[tuple[int, ...], Any] = {}
         self._compiled_backward: dict[Any, Any] = {}
+        self._packings: dict[tuple[int, ...], Packing] = {}
+        # small CPU inputs: copied into reused device buffers (see InputStaging), decided on the first call
+        self._staging: InputStaging | None | bool = False if captured.collective else None
+        self._cotangent_staging: InputStaging | None | bool = None
         if self._spmd is None:
             self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
             self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
-            self._backward = jax.jit(lambda vjp, cotangents: _apply_vjp(vjp, cotangents))
+            self._backward = jax.jit(lambda vjp, cotangents: _packed(_apply_vjp(vjp, cotangents)))
             self._scale = jax.jit(lambda grads, c: [(g * c).astype(g.dtype) for g in grads])
         else:
             # one SPMD program over the processes (see _spmd); backward recomputes the forward
@@ -79,7 +85,7 @@ class Program:
             # for a cotangent of 1 come out of this same executable, forward and backward fused
             # as jax.value_and_grad is; backward only scales them (see `backward`).
             (grads,) = vjp([jnp.ones_like(primal[0])])
-            return primal, rest, _Scaled(grads)
+            return primal, rest, _Scaled(Packing.of(grads).pack(grads))
         return primal, rest, vjp
 
     def _spmd_backward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array,
@@ -101,7 +107,9 @@ class Program:
             compiled = self._compiled_forward.get(diff)
             if compiled is None:
                 compiled = self._compiled_forward[diff] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
-            return compiled(arrays, seed)
+            result = compiled(arrays, seed)
+            self.ran(result)
+            return result
         spmd = self._spmd
         arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
         outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
@@ -111,26 +119,51 @@ class Program:
             return [spmd.to_local(g) for g in grads]
         return [outs[i] for i in self._float], [outs[i] for i in self._rest], vjp
 
-    def backward(self, vjp: Any, cotangents: list[torch.Tensor]) -> list[jax.Array]:
-        """Gradients of the differentiated inputs: one XLA executable, none for a scalar output
-        whose cotangent is 1 (`loss.backward()`)."""
+    def packing(self, diff: tuple[int, ...], arrays: list[jax.Array]) -> Packing | None:
+        """How the gradients of the `diff` inputs cross to torch (None: one by one, SPMD)."""
+        if self._spmd is not None:
+            return None
+        packing = self._packings.get(diff)
+        if packing is None:
+            packing = self._packings[diff] = Packing.of([arrays[p] for p in diff])
+        return packing
+
+    def backward(self, vjp: Any, cotangents: list[torch.Tensor], packing: Packing | None,
+                 dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Gradients of the differentiated inputs as torch tensors of `dtypes`: one XLA executable,
+        none for a scalar output whose cotangent is 1 (`loss.backward()`)."""
         if isinstance(vjp, _Scaled):
             (cotangent,) = cotangents
             if cotangent.item() == 1:  # one number read (a device sync only where the loss is on one)
-                return vjp.grads
-            return self._scale(vjp.grads, to_jax(cotangent))
-        cotangents = [to_jax(g) for g in cotangents]
+                return packing.unpack(vjp.grads, dtypes)
+            return packing.unpack(self._scale(vjp.grads, to_jax(cotangent)), dtypes)
         if self._spmd is not None:
-            return vjp(cotangents)
-        structure = jax.tree_util.tree_structure((vjp, cotangents))
-        compiled = self._compiled_backward.get(structure)
-        if compiled is None:
-            compiled = self._compiled_backward[structure] = self._backward.lower(vjp, cotangents).compile()
-        return compiled(vjp, cotangents)
+            return [to_torch(g, dtype) for g, dtype in zip(vjp([to_jax(g) for g in cotangents]), dtypes)]
+        # the cotangents are fresh tensors from torch's autograd each call: staged like the inputs
+        staging = self._cotangent_staging
+        if staging is None:
+            staging = self._cotangent_staging = InputStaging.build(cotangents, list(range(len(cotangents)))) or False
+        staged = staging.acquire(cotangents) if staging and staging.fits(cotangents) else None
+        grads = None
+        try:
+            arrays = [staged[i] for i in range(len(cotangents))] if staged else [to_jax(g) for g in cotangents]
+            structure = jax.tree_util.tree_structure((vjp, arrays))
+            compiled = self._compiled_backward.get(structure)
+            if compiled is None:
+                compiled = self._compiled_backward[structure] = self._backward.lower(vjp, arrays).compile()
+            grads = compiled(vjp, arrays)
+            if staged and not staging.checked:
+                staging.check(grads)
+            return packing.unpack(grads, dtypes)  # waits for the executable
+        finally:
+            if staged is not None and not staging.release(grads[0] if grads else None):
+                self._cotangent_staging = False
 
     def _plain_forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
         if self._spmd is None:
-            return self._forward(arrays, seed)
+            result = self._forward(arrays, seed)
+            self.ran(result)
+            return result
         spmd = self._spmd
         outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
         return [spmd.to_local(o) for o in outs]
@@ -147,25 +180,49 @@ class Program:
         tensors = [resolve(leaves) for resolve in self._resolve]
         diff = tuple(i for i in self._differentiable if tensors[i].requires_grad
                      and (tensors[i].is_floating_point() or tensors[i].is_complex())) if torch.is_grad_enabled() else ()
-        arrays = [self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
-                  for i, (t, slot) in enumerate(zip(tensors, self._slots))]
-        seed = _seed() if self.captured.has_random else np.uint32(0)
-        outputs: list[Any] = [None] * len(self.captured.outputs)
-        if diff and self._float:
-            call = XlaCall(self, arrays, diff, seed)
-            floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
-            rest = call.rest
-        else:
-            # converting an output to torch waits for it; by then XLA is done reading the inputs
-            results = self._plain_forward(arrays, seed)
-            floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
-            rest = [results[i] for i in self._rest]
+        staging = self._staging
+        if staging is None:
+            staging = self._staging = self._input_staging(tensors) or False
+        staged = staging.acquire(tensors) if staging else None
+        first = None
+        try:
+            arrays = [staged[i] if staged is not None and i in staged
+                      else self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
+                      for i, (t, slot) in enumerate(zip(tensors, self._slots))]
+            seed = _seed() if self.captured.has_random else np.uint32(0)
+            outputs: list[Any] = [None] * len(self.captured.outputs)
+            if diff and self._float:
+                call = XlaCall(self, arrays, diff, seed)
+                floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
+                rest, first = call.rest, call.first
+            else:
+                # converting an output to torch waits for it; by then XLA is done reading the inputs
+                results = self._plain_forward(arrays, seed)
+                floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
+                rest, first = [results[i] for i in self._rest], results[0]
+        finally:
+            if staged is not None and not staging.release(first):
+                self._staging = False  # unsafe to reuse (see InputStaging.release): import afresh from now on
         for i, value in zip(self._float, floats):
             outputs[i] = value
         for i, value in zip(self._rest, rest):
             slot = self.captured.outputs[i]
             outputs[i] = to_torch(value, slot.dtype) if slot.dtype is not None else value
         return self._finish(outputs, leaves, tensors)
+
+    def _input_staging(self, tensors: list[torch.Tensor]) -> InputStaging | None:
+        if self.captured.collective or not self.captured.outputs:
+            return None
+        slots = [i for i, slot in enumerate(self._slots)
+                 if slot.kind == "input" and not slot.mutated and not self._long_lived[i]]
+        return InputStaging.build(tensors, slots)
+
+    def ran(self, result: Any) -> None:
+        """Sees every output of an executable call (residuals included): the first staged call's
+        decide whether staging is safe for this program."""
+        staging = self._staging
+        if staging and not staging.checked:
+            staging.check(jax.tree_util.tree_leaves(result))
 
     def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor]) -> Any:
         if not self._writes_back:
@@ -194,6 +251,10 @@ class _Scaled:
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
     (grads,) = vjp(cotangents)
     return grads
+
+
+def _packed(grads: list[jax.Array]) -> list[jax.Array]:
+    return Packing.of(grads).pack(grads)
 
 
 def _seed() -> np.uint32:

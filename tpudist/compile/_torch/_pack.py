@@ -1,0 +1,78 @@
+"""Packing: many small arrays cross from XLA to torch as one buffer.
+
+Each array that crosses to torch pays a fixed cost (on CPU 10-20 us: DLPack export, waiting for
+readiness, torch's import), which is a compiled module's whole budget for a small model's
+gradients. So the executable concatenates the small arrays of each dtype into one flat buffer
+(XLA writes them there directly; the concatenation fuses with their producers), one crossing
+brings it over, and torch takes views of it. Large arrays cross alone: their copy into a buffer
+would cost more than their crossing.
+
+The layout is a pure function of the arrays' shapes and dtypes, so the traced `pack` inside the
+executable and the host's `unpack` compute the same one without sharing state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpudist.compile._torch._convert import to_torch, torch_view
+
+PACK_MAX_BYTES = 64 << 10  # an array this size or smaller is packed; ~ the bytes one crossing costs to copy
+
+
+class Packing:
+    """The crossing layout of a list of arrays with these `(shape, dtype)`s: `pack` (traced) gives
+    the arrays to return from the executable, `unpack` (host) the torch tensors, in the original
+    order. Example:
+
+        packing = Packing.of(grads)                    # same shapes inside and outside jit
+        crossed = packing.pack(grads)                  # inside jit: [flat float32 buffer]
+        tensors = packing.unpack(crossed, [torch.float32] * len(grads))
+    """
+
+    def __init__(self, avals: list[tuple[tuple[int, ...], np.dtype]]):
+        self.shapes = [tuple(shape) for shape, _ in avals]
+        by_dtype: dict[np.dtype, list[int]] = {}
+        alone: list[int] = []
+        for i, (shape, dtype) in enumerate(avals):
+            if math.prod(shape) * np.dtype(dtype).itemsize <= PACK_MAX_BYTES:
+                by_dtype.setdefault(np.dtype(dtype), []).append(i)
+            else:
+                alone.append(i)
+        # a group of one gains nothing from a buffer of its own
+        self.groups = [members for members in by_dtype.values() if len(members) > 1]
+        alone += [members[0] for members in by_dtype.values() if len(members) == 1]
+        self.alone = sorted(alone)
+        self.sizes = [[math.prod(self.shapes[i]) for i in members] for members in self.groups]
+        self.trivial = not self.groups  # nothing to pack: the arrays cross as they are
+
+    @classmethod
+    def of(cls, arrays: list[Any]) -> Packing:
+        return cls([(tuple(a.shape), np.dtype(a.dtype)) for a in arrays])
+
+    def pack(self, arrays: list[Any]) -> list[Any]:
+        """Inside the executable: one flat buffer per group, then the arrays that cross alone."""
+        if self.trivial:
+            return list(arrays)
+        import jax.numpy as jnp
+        flats = [jnp.concatenate([arrays[i].reshape(-1) for i in members]) for members in self.groups]
+        return flats + [arrays[i] for i in self.alone]
+
+    def unpack(self, crossed: list[Any], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """On the host: torch tensors (views of the crossed buffers, or `dtypes[i]` copies where
+        the bridge computed in a narrower dtype) in the original order."""
+        if self.trivial:
+            return [to_torch(a, dtype) for a, dtype in zip(crossed, dtypes)]
+        out: list[Any] = [None] * len(self.shapes)
+        for members, sizes, flat in zip(self.groups, self.sizes, crossed):
+            for i, piece in zip(members, torch_view(flat).split(sizes)):
+                piece = piece.view(self.shapes[i])
+                out[i] = piece if piece.dtype == dtypes[i] else piece.to(dtypes[i])
+        for i, array in zip(self.alone, crossed[len(self.groups):]):
+            out[i] = to_torch(array, dtypes[i])
+        return out
+
