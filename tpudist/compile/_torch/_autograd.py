@@ -22,14 +22,15 @@ class XlaCall:
 
     program: the cache entry (see _module.Program); arrays: every tensor input as a JAX array;
     diff: positions in `arrays` to differentiate; seed: the per-call RNG seed.
-    After forward, `first` is one of its outputs and `rest` holds the outputs that bypass autograd (non-float user outputs, buffer
-    and input updates), in the program's order of non-differentiable outputs.
+    After forward, `first` is one of the executable's outputs (to wait for it later) and `rest`
+    holds the outputs that bypass autograd (non-float user outputs, buffer and input updates), in
+    the program's order of non-differentiable outputs.
     """
 
     def __init__(self, program: Any, arrays: list[jax.Array], diff: tuple[int, ...], seed: Any):
         self.program, self.arrays, self.diff, self.seed = program, arrays, diff, seed
         self.rest: list[jax.Array] = []
-        self.first: jax.Array | None = None  # one output of the executable, to wait for it later
+        self.first: jax.Array | None = None
 
 
 class XlaFunction(torch.autograd.Function):
