@@ -55,8 +55,9 @@ class Program:
         self._compiled_forward: dict[tuple[int, ...], Any] = {}
         self._compiled_backward: dict[Any, Any] = {}
         self._packings: dict[tuple[int, ...], Packing] = {}
-        # small CPU inputs: copied into reused device buffers (see InputStaging), decided on the first call
-        self._staging: InputStaging | None | bool = False if captured.collective else None
+        # small CPU inputs: copied into reused device buffers (see InputStaging); None until the
+        # first call decides, False where they are imported afresh
+        self._staging: InputStaging | None | bool = None
         self._cotangent_staging: InputStaging | None | bool = None
         if self._spmd is None:
             self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
@@ -108,7 +109,7 @@ class Program:
             if compiled is None:
                 compiled = self._compiled_forward[diff] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
             result = compiled(arrays, seed)
-            self.ran(result)
+            self._check_staging(result)
             return result
         spmd = self._spmd
         arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
@@ -162,7 +163,7 @@ class Program:
     def _plain_forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
         if self._spmd is None:
             result = self._forward(arrays, seed)
-            self.ran(result)
+            self._check_staging(result)
             return result
         spmd = self._spmd
         outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
@@ -217,9 +218,9 @@ class Program:
                  if slot.kind == "input" and not slot.mutated and not self._long_lived[i]]
         return InputStaging.build(tensors, slots)
 
-    def ran(self, result: Any) -> None:
-        """Sees every output of an executable call (residuals included): the first staged call's
-        decide whether staging is safe for this program."""
+    def _check_staging(self, result: Any) -> None:
+        """Sees every output of an executable call, residuals included: those of the first staged
+        call decide whether staging is safe for this program."""
         staging = self._staging
         if staging and not staging.checked:
             staging.check(jax.tree_util.tree_leaves(result))
