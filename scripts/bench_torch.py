@@ -68,6 +68,7 @@ def _time_interleaved(steps_by_side: dict[str, Callable[[], Any]], steps: int, r
     best = {side: float("inf") for side in steps_by_side}
     for _ in range(repeats):
         for side, step in steps_by_side.items():
+            _settle(step, _wait)
             sync()
             start = time.perf_counter()
             for _ in range(steps):
@@ -76,6 +77,21 @@ def _time_interleaved(steps_by_side: dict[str, Callable[[], Any]], steps: int, r
             sync()
             best[side] = min(best[side], (time.perf_counter() - start) / steps)
     return best
+
+
+SETTLE_SECONDS = 0.15
+
+
+def _settle(step: Callable[[], Any], wait: Callable[[Any], Any]) -> None:
+    """Untimed steps of one side for SETTLE_SECONDS before its timed run. Measured here: after the
+    cores ran one thread (eager torch at 1 thread) or slept for 0.5 s, the first ~10 steps of the
+    transformer block's XLA step (2 threads) took 1.5-3x as long as the rest (30-60 ms in all), so
+    a side timed right after eager torch paid for it."""
+    start = time.perf_counter()
+    while True:
+        wait(step())
+        if time.perf_counter() - start >= SETTLE_SECONDS:
+            return
 
 
 def _wait(result: Any) -> None:
@@ -165,11 +181,17 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
 def _median_times(sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], steps: int,
                   repeats: int) -> dict[str, float]:
     """Median seconds per step of each side (step function, wait-for-its-result), over `repeats`
-    runs of `steps` steps; the sides alternate run by run."""
+    runs of `steps` steps; the sides alternate run by run, in an order shuffled each round (a side
+    always timed right after the same one would carry that one's after-effects, see _settle)."""
+    import random
     import statistics
     runs: dict[str, list[float]] = {side: [] for side in sides}
+    order, shuffle = list(sides), random.Random(0).shuffle
     for _ in range(repeats):
-        for side, (step, wait) in sides.items():
+        shuffle(order)
+        for side in order:
+            step, wait = sides[side]
+            _settle(step, wait)
             start = time.perf_counter()
             for _ in range(steps):
                 out = step()

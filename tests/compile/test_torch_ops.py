@@ -567,6 +567,44 @@ def test_compiled_as_strided_views():
         nhwc.permute(0, 3, 1, 2).mean((-1, -2), keepdim=True)), x, nhwc)
 
 
+def test_compiled_parts_of_one_tensor():
+    """Parts cut from one tensor by select and slice, as MultiheadAttention's packed projection
+    (`proj[0], proj[1], proj[2]`) and hand-written `x[..., :n], x[..., n:]` do (lowered as one
+    split whose gradient is one concatenation): values and gradients equal eager torch's, with
+    parts left unused, a part used twice, negative indices, parts overlapping (cut one by one), a
+    select and a slice of the same dimension, a strided slice beside plain ones, and unbind."""
+    proj, y, z = randn(3, 4, 5), randn(4, 6, seed=1), randn(5, 7, seed=2)
+
+    def parts(proj, y, z):
+        q, k, v = proj[0], proj[1], proj[2]
+        return (q @ k.t() + v.sum(), y[:, -1] * y[:, 0],                  # ends of dim 1, middle unused
+                y[..., :2] + y[..., 3:5] * y[..., :2],                      # a gap, a part used twice
+                z[:, 0:3] - z[:, 2:5],                                      # overlapping: cut one by one
+                z[1] + z[2:4].sum(0), z[:, ::2].sum(1) + z[:, 1:3].sum(1),  # select + slice; strided beside
+                *y.unbind(0), *proj.unbind(2))
+    check_compiled(parts, proj, y, z)
+
+
+@examples(6)
+@given(size=st.integers(2, 7), data=st.data())
+def test_compiled_slices_cutting_one_dimension(size, data):
+    """Slices cutting one dimension into parts (some unused, bounds written as Python allows:
+    negative, None, past the end), with or without one more slice overlapping them, have eager
+    torch's values and gradients."""
+    cuts = sorted(data.draw(st.sets(st.integers(0, size), min_size=2, max_size=size + 1)))
+    pieces = list(zip(cuts, cuts[1:]))
+    used = data.draw(st.lists(st.sampled_from(pieces), min_size=2, max_size=len(pieces) + 1))
+
+    def spelled(bound):
+        forms = [bound, bound - size] + ([None] if bound in (0, size) else []) + ([size + 3] if bound == size else [])
+        return data.draw(st.sampled_from(forms))
+    ranges = [(spelled(a), spelled(b)) for a, b in used]
+    if data.draw(st.booleans()):
+        ranges.append((data.draw(st.integers(-size, size)), data.draw(st.integers(-size, size))))
+    x = randn(3, size)
+    check_compiled(lambda x: tuple(x[:, a:b] * (i + 1) for i, (a, b) in enumerate(ranges)), x)
+
+
 def test_compiled_indexing_and_shapes():
     x, idx = randn(4, 6), torch.tensor([[0, 2, 5], [1, 1, 0], [3, 4, 5], [5, 0, 2]])
     check_compiled(lambda x, i: (x[i[:3, 0]], x[:, 1:5:2], x[..., None], torch.gather(x, 1, i),

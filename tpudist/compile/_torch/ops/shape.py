@@ -89,7 +89,8 @@ def split(x, split_size, dim=0):
 @register(aten.unbind.int)
 def unbind(x, dim=0):
     d = dim % x.ndim
-    return [lax.index_in_dim(x, i, d, keepdims=False) for i in range(x.shape[d])]
+    # one split (its gradient a concatenation), not n slices (n zero-padded gradients added up)
+    return [lax.squeeze(part, (d,)) for part in lax.split(x, (1,) * x.shape[d], axis=d)] if x.shape[d] else []
 
 
 @register(aten.slice.Tensor)
