@@ -11,7 +11,7 @@ import shutil
 import uuid
 
 import pytest
-from launchutil import pids_with, wait_until
+from launchutil import describe, pids_with, wait_until
 
 from _sshd import LoopbackSshd
 
@@ -38,9 +38,10 @@ def no_leftovers(marker):
     yield
     if not wait_until(lambda: not pids_with(marker), timeout=10):
         left = pids_with(marker)
+        described = describe(left)  # before the kill: whose child each one was, and in what state
         for pid in left:
             try:
                 os.kill(pid, 9)
             except OSError:
                 pass
-        pytest.fail(f"processes of the job outlived it: {left}")
+        pytest.fail(f"processes of the job outlived it:\n{described}")

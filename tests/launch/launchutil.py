@@ -49,6 +49,30 @@ def pids_with(marker: str) -> list[int]:
     return found
 
 
+def describe(pids: list[int]) -> str:
+    """Each process with its state and its parent's, for a failure message: who kept it alive."""
+    def one(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return f"{pid} (gone)"
+        return f"{pid} {fields['State'].strip()} ppid {fields['PPid'].strip()} [{argv[:120]}]"
+
+    lines = []
+    for pid in pids:
+        lines.append(one(pid))
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                ppid = int(next(line.split(":")[1] for line in f if line.startswith("PPid:")))
+            lines.append("  parent " + one(ppid))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return "\n".join(lines)
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

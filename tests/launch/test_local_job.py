@@ -9,12 +9,13 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
-from launchutil import launch, pids_with, start_launcher, wait_lines, wait_until
+from launchutil import describe, launch, pids_with, start_launcher, wait_lines, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -123,9 +124,39 @@ def test_launcher_sigkilled_its_processes_stop(marker, no_leftovers):
         assert len(pids_with(marker)) == 3  # the launcher and its two processes
         proc.kill()
         proc.wait(timeout=10)
-        assert wait_until(lambda: not pids_with(marker), timeout=15), pids_with(marker)
+        assert wait_until(lambda: not pids_with(marker), timeout=15), describe(pids_with(marker))
     finally:
         proc.kill()
+
+
+# A signal arriving at random moments while the agent's main thread waits for its run to end;
+# each round a one-shot timer's handler ends the run, as SIGTERM's does in the agent.
+_ENDING_UNDER_SIGNALS = """
+import random, signal, sys, time
+from tpudist.launch.agent._agent import Ending
+rng, rounds, end = random.Random(0), 0, time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    ending = Ending()
+    signal.signal(signal.SIGALRM, lambda *_: ending.finish("SIGTERM"))
+    signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, 5e-4))
+    while not ending.wait(2e-4):
+        pass
+    assert ending.reason == "SIGTERM"
+    rounds += 1
+print(rounds)
+"""
+
+
+def test_the_agent_ends_on_a_signal_arriving_at_any_moment():
+    """The agent ends its run from SIGTERM's handler, which Python runs between any two bytecodes
+    of the main thread, lock held or not: thousands of signals at random moments, each must end a
+    wait (a handler calling `threading.Event.set` deadlocked here within seconds)."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _ENDING_UNDER_SIGNALS, "4"], capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a signal's handler could not end the agent's run: its wait never returned")
+    assert r.returncode == 0, r.stderr.decode()
+    assert int(r.stdout) > 1000
 
 
 def test_max_restarts_runs_the_job_again_with_the_attempt_number(marker):

@@ -85,6 +85,34 @@ def versions() -> dict[str, str]:
     return found
 
 
+class Ending:
+    """How an agent's run ends: the first reason given, from any thread or a signal handler.
+
+    A Python signal handler runs on the main thread between two bytecodes, which can be while that
+    thread holds the lock inside `threading.Event.wait`; an `Event.set` in the handler then waits
+    for that lock forever, and the agent never stops its processes (seen once in CI: a SIGKILLed
+    launcher's processes outlived it). `queue.SimpleQueue.put` is reentrant, so ending takes no
+    lock the main thread could be holding."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+
+    def finish(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+        self._wake.put(reason)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the run has ended, after waiting up to `timeout` seconds for it to."""
+        if not self.reason:
+            try:
+                self._wake.get(timeout=timeout)
+            except queue.Empty:
+                pass
+        return bool(self.reason)
+
+
 class Agent:
     """One host's agent: the control stream to the launcher, and this host's `ProcessSet`."""
 
@@ -94,14 +122,12 @@ class Agent:
         self.metadata = ((TOKEN_METADATA, boot.token),)
         self.outbound: queue.Queue = queue.Queue()
         self.procs = ProcessSet(self.worker, self.outbound.put)
-        self.done = threading.Event()
-        self.reason = ""
+        self.ending = Ending()
         self.child_ended = False  # SIGCHLD: an orphan re-parented to this agent may need reaping
 
     def finish(self, reason: str) -> None:
-        if not self.done.is_set():
-            self.reason = reason
-            self.done.set()
+        """Ends the run (any thread, or a signal handler: see Ending)."""
+        self.ending.finish(reason)
 
     def run(self) -> int:
         threading.Thread(target=self._watch_stdin, daemon=True).start()
@@ -120,7 +146,7 @@ class Agent:
             responses = stub.Session(self._requests(), metadata=self.metadata, wait_for_ready=True)
             threading.Thread(target=self._serve, args=(responses,), daemon=True).start()
             registered.result()
-            while not self.done.wait(0.5):  # the main thread stays free for signal handlers
+            while not self.ending.wait(0.5):  # the main thread stays free for signal handlers
                 if self.child_ended:
                     self.child_ended = False
                     self.procs.reap()
@@ -191,9 +217,9 @@ class Agent:
 
     def _teardown(self) -> None:
         self.procs.end(ORPHAN_GRACE_S)  # every process and descendant: SIGTERM, grace, SIGKILL
-        if self.reason != "shutdown":
+        if self.ending.reason != "shutdown":
             try:
-                print(f"tpudist agent on {self.host}: {self.reason}; stopped this host's processes",
+                print(f"tpudist agent on {self.host}: {self.ending.reason}; stopped this host's processes",
                       file=sys.stderr, flush=True)
             except OSError:  # the launcher, which reads this, may be gone
                 pass
