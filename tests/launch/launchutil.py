@@ -49,6 +49,36 @@ def pids_with(marker: str) -> list[int]:
     return found
 
 
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of a live process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
+def family(root: int) -> list[int]:
+    """`root`'s descendants now (from /proc, independent of tpudist's own process walk)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            parents[int(entry)] = stat[0]
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        todo += children
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (zombies count as gone)."""
+    return [pid for pid in pids if (stat := _stat(pid)) is not None and stat[1] != "Z"]
+
+
 def describe(pids: list[int]) -> str:
     """Each process with its state and its parent's, for a failure message: who kept it alive."""
     def one(pid: int) -> str:

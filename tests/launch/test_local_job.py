@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from launchutil import describe, launch, pids_with, start_launcher, wait_lines, wait_until
+from launchutil import alive, describe, family, launch, pids_with, start_launcher, wait_lines, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -122,9 +122,11 @@ def test_launcher_sigkilled_its_processes_stop(marker, no_leftovers):
     try:
         wait_lines(proc, 2, b"ready", timeout=60)
         assert len(pids_with(marker)) == 3  # the launcher and its two processes
+        started = family(proc.pid)  # the agent and the processes
+        assert len(started) >= 3, describe(started)
         proc.kill()
         proc.wait(timeout=10)
-        assert wait_until(lambda: not pids_with(marker), timeout=15), describe(pids_with(marker))
+        assert wait_until(lambda: not alive(started), timeout=15), describe(alive(started))
     finally:
         proc.kill()
 
