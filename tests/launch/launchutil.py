@@ -82,24 +82,19 @@ def alive(pids: list[int]) -> list[int]:
 def describe(pids: list[int]) -> str:
     """Each process with its state and its parent's, for a failure message: who kept it alive."""
     def one(pid: int) -> str:
+        stat = _stat(pid)
         try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
-            return f"{pid} (gone)"
-        return f"{pid} {fields['State'].strip()} ppid {fields['PPid'].strip()} [{argv[:120]}]"
+            stat = None
+        return f"{pid} (gone)" if stat is None else f"{pid} {stat[1]} ppid {stat[0]} [{argv[:120]}]"
 
     lines = []
     for pid in pids:
         lines.append(one(pid))
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                ppid = int(next(line.split(":")[1] for line in f if line.startswith("PPid:")))
-            lines.append("  parent " + one(ppid))
-        except (OSError, StopIteration, ValueError):
-            pass
+        if (stat := _stat(pid)) is not None:
+            lines.append("  parent " + one(stat[0]))
     return "\n".join(lines)
 
 
