@@ -508,11 +508,21 @@ def main(argv: list[str] | None = None) -> int:
                         "cpu, or cuda (XLA then runs on JAX's GPU backend)")
     parser.add_argument("--no-tf32", action="store_true", help="with --device cuda: full float32 matmuls on "
                         "both sides (default: TF32 on both, XLA's own default on GPU)")
+    parser.add_argument("--cpu-sync-dispatch", action="store_true",
+                        help="XLA:CPU runs every executable on the calling thread "
+                        "(jax_cpu_enable_async_dispatch=False, process-wide, so on every side): no hand-off to "
+                        "XLA's threads per call, and no host running ahead of the device (docs/torch.md)")
     parser.add_argument("--keep-going", action="store_true",
                         help="record a model that fails as an error row and go on with the next")
     parser.add_argument("--json", type=Path, help="also write the results here (rewritten after every row)")
     args = parser.parse_args(argv)
 
+    if args.cpu_sync_dispatch:
+        import jax
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():  # the setting is read once, when the CPU client is made
+            parser.error("--cpu-sync-dispatch: JAX's backends are already initialized in this process")
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     cuda = args.device.startswith("cuda")
@@ -538,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                         "torch_device": torch.cuda.get_device_name() if cuda else "cpu",
                         "load_average_before": load_before, "load_average_after": list(os.getloadavg())},
             "settings": {"steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
-                         "device": args.device, "tf32": cuda and not args.no_tf32},
+                         "device": args.device, "tf32": cuda and not args.no_tf32,
+                         "cpu_async_dispatch": not args.cpu_sync_dispatch},
             "rows": rows, "errors": errors, "vs_jax": jax_rows,
             "fused_data_parallel": dp_rows,
         }

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
 
 import tpudist
 from tpudist.compile._torch import CaptureError, UnsupportedOpError, supported_ops
@@ -366,6 +368,48 @@ def test_gradients_of_many_sizes_and_dtypes_reach_their_parameters():
             opt.step()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         _assert_same(f"{name} after 3 steps", p, q, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=5, deadline=None, database=None)  # each example is a capture + two compiles
+@given(shapes=st.lists(hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5), min_size=2, max_size=6),
+       large=st.booleans(), seed=st.integers(0, 2**16))
+def test_each_parameter_gets_its_own_gradient_whatever_the_shapes(shapes, large, seed):
+    """Small gradients cross as one buffer and each .grad is a view of its part of it: 0-d
+    parameters, dims of size 1, one parameter over the packing limit crossing alone. Every .grad
+    has its parameter's shape and layout and eager torch's values, through both backward forms:
+    the loss inside the compiled module (its gradients come out of the forward's executable) and
+    a vector output with the loss in eager torch (a backward executable)."""
+    shapes = [tuple(s) for s in shapes] + ([(130, 130)] if large else [])  # 66 KB: crosses alone
+
+    class Params(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes)
+
+        def forward(self, x):  # one output per parameter, each with its own gradient
+            return torch.stack([(p * p * (i + 1)).sum() * x[i] + p.sum() for i, p in enumerate(self.ps)])
+
+    class Loss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, w):
+            return (self.net(x) * w).sum()
+
+    g = torch.Generator().manual_seed(seed + 1)
+    x, w = torch.randn(len(shapes), generator=g), torch.randn(len(shapes), generator=g)
+    model = Params()
+    eager = copy.deepcopy(model)
+    Loss(eager)(x, w).backward()
+    for compiled, run in ((tpudist.compile(Loss(model)), lambda cm: cm(x, w).backward()),
+                          (tpudist.compile(model), lambda cm: (cm(x) * w).sum().backward())):
+        model.zero_grad(set_to_none=True)
+        run(compiled)
+        for i, (p, q) in enumerate(zip(model.ps, eager.ps)):
+            assert p.grad.shape == p.shape and p.grad.stride() == p.stride(), (i, p.shape, p.grad.stride())
+            _assert_same(f"parameter {i} of shape {tuple(p.shape)}", p.grad, q.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_concurrent_calls_from_threads_each_get_their_own_result():

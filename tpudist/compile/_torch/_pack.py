@@ -13,6 +13,7 @@ executable and the host's `unpack` compute the same one without sharing state.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -48,6 +49,11 @@ class Packing:
         alone += [members[0] for members in by_dtype.values() if len(members) == 1]
         self.alone = sorted(alone)
         self.sizes = [[math.prod(self.shapes[i]) for i in members] for members in self.groups]
+        # where each member lies in its group's buffer, as torch.as_strided takes it: (index, shape,
+        # contiguous strides, offset); one view each, without split's list and per-piece reshapes
+        self.places = [[(i, self.shapes[i], _strides(self.shapes[i]), offset)
+                        for i, offset in zip(members, _offsets(sizes))]
+                       for members, sizes in zip(self.groups, self.sizes)]
         self.trivial = not self.groups  # nothing to pack: the arrays cross as they are
 
     @classmethod
@@ -68,11 +74,25 @@ class Packing:
         if self.trivial:
             return [to_torch(a, dtype) for a, dtype in zip(crossed, dtypes)]
         out: list[Any] = [None] * len(self.shapes)
-        for members, sizes, flat in zip(self.groups, self.sizes, crossed):
-            for i, piece in zip(members, torch_view(flat).split(sizes)):
-                piece = piece.view(self.shapes[i])
+        for places, flat in zip(self.places, crossed):
+            view = torch_view(flat).as_strided
+            for i, shape, strides, offset in places:
+                piece = view(shape, strides, offset)
                 out[i] = piece if piece.dtype == dtypes[i] else piece.to(dtypes[i])
         for i, array in zip(self.alone, crossed[len(self.groups):]):
             out[i] = to_torch(array, dtypes[i])
         return out
 
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides (in elements) for `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of consecutive pieces of these `sizes` starts."""
+    return list(itertools.accumulate(sizes[:-1], initial=0))
