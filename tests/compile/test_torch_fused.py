@@ -10,11 +10,14 @@ batch.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
 from torch import nn
 
 import tpudist
@@ -177,6 +180,51 @@ def test_changes_made_from_torch_between_steps_are_used():
     assert_same_state(model, ref)
     assert_same_optimizer_state(opt, ref_opt)
     assert step.stats.state_reloads > 0
+
+
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd_momentum", "adam"])
+@settings(max_examples=3, deadline=None, database=None)  # each example is a capture and a compile
+@given(shapes=st.lists(hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5), min_size=2, max_size=6),
+       large=st.booleans(), seed=st.integers(0, 2**16))
+def test_parameters_of_any_shape_train_as_in_eager_torch(adam, shapes, large, seed):
+    """On one device the step takes and returns the parameters and optimizer state as a pool of
+    few buffers (every array of up to 4 KiB packed into one per dtype): 0-d parameters, dims of
+    size 1, one parameter over the limit kept apart, with a door opened and a parameter edited
+    from torch between steps, train exactly as eager torch does, parameters and optimizer state."""
+    shapes = [tuple(s) for s in shapes] + ([(40, 40)] if large else [])  # 6.4 KB: outside the pool
+
+    class Params(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.ps = nn.ParameterList(nn.Parameter(torch.randn(s, generator=g) / 4) for s in shapes)
+            # weights in [1, 2): no element's gradient is near zero, where Adam would turn rounding
+            # noise into whole steps of either sign
+            self.ws = [1 + torch.rand(s, generator=g) for s in shapes]
+
+        def forward(self, x):  # one logit per parameter, each with its own gradient
+            return torch.stack([x[:, i] * (p * w).sum() / math.sqrt(p.numel())
+                                for i, (p, w) in enumerate(zip(self.ps, self.ws))], dim=1)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [(torch.randn(8, len(shapes), generator=g), torch.randint(0, len(shapes), (8,), generator=g))
+            for _ in range(5)]
+    make = (lambda ps: torch.optim.Adam(ps, lr=0.05)) if adam else (lambda ps: torch.optim.SGD(ps, lr=0.3, momentum=0.9))
+    model, ref = Params(), Params()
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    for batch in data[:3]:
+        step(batch)
+    eager_train(ref, ref_opt, data[:3])
+    assert_same_state(model, ref)                       # a door: the pool cut back into parameters
+    with torch.no_grad():
+        model.ps[0].add_(0.5)
+        ref.ps[0].add_(0.5)
+    losses = [step(batch).item() for batch in data[3:]]
+    np.testing.assert_allclose(losses, eager_train(ref, ref_opt, data[3:]), rtol=1e-5)
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+    assert step.stats.compiles == 1
 
 
 def test_errors_name_the_problem_and_the_fix():

@@ -34,7 +34,7 @@ from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch._plan import Layout, Objective, plan
-from tpudist.compile._torch._state import Mirror
+from tpudist.compile._torch._state import Mirror, flatten_state, unflatten_state
 
 
 @dataclass
@@ -253,8 +253,12 @@ class _Signature:
         body = make_body(self.plan, layout, lower(captured), devices=owner.mesh.devices.size,
                          accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm,
                          collective=collective)
-        param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
-        state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
+        if owner.mirror.packs:  # one device: the parameters and optimizer state as the mirror's pool
+            body = _pooled(body, owner.mirror, layout)
+            param_specs, state_specs = P(), P()
+        else:
+            param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
+            state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
         split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
         in_specs = (param_specs, P(), P(), state_specs, P(), P(), split, P(), split)
         out_specs = (param_specs, P(), state_specs, P(), P(AXIS), P(), P())
@@ -263,6 +267,7 @@ class _Signature:
         self._serialize = self.step._serialize
         self._span_name = f"tpudist.torch_step[{type(owner.model).__name__}]"
         self._executable: Any = None
+        self._packing: Any = None  # the mirror's pool layout the executable was compiled for
         self._in_flight: Any = None
         self.fixed: list[jax.Array] = []
         self.updated: list[jax.Array] = []
@@ -277,7 +282,7 @@ class _Signature:
             rows = owner.local_devices * owner.accumulate_steps
             full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in batch_examples]
             try:
-                self._staging = Staging(owner.placement, full)
+                self._staging = Staging(owner.placement, full, sets=RUN_AHEAD)
             except RuntimeError:  # this platform copies host memory on import: no reuse possible
                 self._staging = None
         owner.mirror.register(self.plan.fixed, self.plan.updated)
@@ -303,9 +308,11 @@ class _Signature:
         else:
             batch = [put(leaves[i], split=True) for i in plan.batch_leaves]
         rng = owner.rng() if self.random else None
-        args = (mirror.params, self.fixed, self.updated, mirror.states, mirror.counts, owner.hyperparameters(),
+        params, states = mirror.step_state()
+        args = (params, self.fixed, self.updated, states, mirror.counts, owner.hyperparameters(),
                 batch, rng, owner._signal_input() if owner.signals else None)
-        if self._executable is None:
+        if self._executable is None or self._packing is not mirror.packing:
+            self._packing = mirror.packing  # (a pool of other shapes or dtypes: compiled again)
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         if self._serialize and self._in_flight is not None:
@@ -330,6 +337,24 @@ class _Signature:
         # before optimizer.step()" warning: the update did run, inside the executable
         owner.optimizer._opt_called = True  # type: ignore[attr-defined]
         return LazyScalar(losses)
+
+
+def _pooled(body: Callable[..., Any], mirror: Mirror, layout: Layout) -> Callable[..., Any]:
+    """`body` taking and returning the parameters and optimizer state as the mirror's pool (see
+    Mirror.step_state), cut into arrays as the step starts and packed again as it ends; the layout
+    is the mirror's when the step is traced."""
+    def pooled(pool, fixed, updated, _states, *rest):
+        packing = mirror.packing
+        params, states = unflatten_state(packing.split(pool), layout)
+        params, updated, states, *outs = body(params, fixed, updated, states, *rest)
+        # each array back in the dtype its place in the pool has, so the pool keeps its layout
+        flat = [a.astype(dtype) for a, (_, dtype) in zip(flatten_state(params, states), packing.key[0])]
+        return (packing.pack(flat), updated, [], *outs)
+
+    return pooled
+
+
+RUN_AHEAD = 8  # staged batches in flight: how many steps the host may run ahead of the device (see Staging)
 
 
 # what a param group holds besides its parameters (any optimizer the fused step implements)

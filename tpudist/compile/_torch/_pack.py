@@ -35,12 +35,13 @@ class Packing:
         tensors = packing.unpack(crossed, [torch.float32] * len(grads))
     """
 
-    def __init__(self, avals: list[tuple[tuple[int, ...], np.dtype]]):
+    def __init__(self, avals: list[tuple[tuple[int, ...], np.dtype]], max_bytes: int = PACK_MAX_BYTES):
         self.shapes = [tuple(shape) for shape, _ in avals]
+        self._key = (tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in avals), max_bytes)
         by_dtype: dict[np.dtype, list[int]] = {}
         alone: list[int] = []
         for i, (shape, dtype) in enumerate(avals):
-            if math.prod(shape) * np.dtype(dtype).itemsize <= PACK_MAX_BYTES:
+            if math.prod(shape) * np.dtype(dtype).itemsize <= max_bytes:
                 by_dtype.setdefault(np.dtype(dtype), []).append(i)
             else:
                 alone.append(i)
@@ -57,16 +58,45 @@ class Packing:
         self.trivial = not self.groups  # nothing to pack: the arrays cross as they are
 
     @classmethod
-    def of(cls, arrays: list[Any]) -> Packing:
-        return cls([(tuple(a.shape), np.dtype(a.dtype)) for a in arrays])
+    def of(cls, arrays: list[Any], max_bytes: int = PACK_MAX_BYTES) -> Packing:
+        return cls([(tuple(a.shape), np.dtype(a.dtype)) for a in arrays], max_bytes)
 
-    def pack(self, arrays: list[Any]) -> list[Any]:
-        """Inside the executable: one flat buffer per group, then the arrays that cross alone."""
+    @property
+    def key(self) -> tuple:
+        """The arrays' shapes and dtypes: two packings with equal keys lay buffers out alike."""
+        return self._key
+
+    def pack(self, arrays: list[Any], concat: Any = None) -> list[Any]:
+        """Inside the executable: one flat buffer per group, then the arrays that cross alone.
+        On the host, `concat` is `concat` jitted (the large arrays then pass by untouched)."""
         if self.trivial:
             return list(arrays)
+        groups = [[arrays[i] for i in members] for members in self.groups]
+        return list((concat or self.concat)(groups)) + [arrays[i] for i in self.alone]
+
+    def split(self, crossed: list[Any], pieces: Any = None) -> list[Any]:
+        """Inside an executable: `pack`'s inverse, the arrays in the original order. On the host,
+        `pieces` is `self.pieces` jitted."""
+        if self.trivial:
+            return list(crossed)
+        out: list[Any] = [None] * len(self.shapes)
+        for members, pieces in zip(self.groups, (pieces or self.pieces)(crossed[:len(self.groups)])):
+            for i, piece in zip(members, pieces):
+                out[i] = piece
+        for i, array in zip(self.alone, crossed[len(self.groups):]):
+            out[i] = array
+        return out
+
+    @staticmethod
+    def concat(groups: list[list[Any]]) -> list[Any]:
+        """Traced: each group's arrays as one flat buffer (what `pack` does to the groups)."""
         import jax.numpy as jnp
-        flats = [jnp.concatenate([arrays[i].reshape(-1) for i in members]) for members in self.groups]
-        return flats + [arrays[i] for i in self.alone]
+        return [jnp.concatenate([a.reshape(-1) for a in members]) for members in groups]
+
+    def pieces(self, flats: list[Any]) -> list[list[Any]]:
+        """Traced: each group buffer cut back into its members' arrays (what `split` does to them)."""
+        return [[flat[offset:offset + math.prod(shape)].reshape(shape) for _, shape, _, offset in places]
+                for places, flat in zip(self.places, flats)]
 
     def unpack(self, crossed: list[Any], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """On the host: torch tensors (views of the crossed buffers, or `dtypes[i]` copies where
