@@ -34,7 +34,8 @@ from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch._plan import Layout, Objective, plan
-from tpudist.compile._torch._state import Mirror, flatten_state, unflatten_state
+from tpudist.compile._torch._pool import StatePool, flatten_state, unflatten_state
+from tpudist.compile._torch._state import Mirror
 
 
 @dataclass
@@ -253,8 +254,8 @@ class _Signature:
         body = make_body(self.plan, layout, lower(captured), devices=owner.mesh.devices.size,
                          accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm,
                          collective=collective)
-        if owner.mirror.packs:  # one device: the parameters and optimizer state as the mirror's pool
-            body = _pooled(body, owner.mirror, layout)
+        if owner.mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
+            body = _pooled(body, owner.mirror.pool, layout)
             param_specs, state_specs = P(), P()
         else:
             param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
@@ -308,11 +309,11 @@ class _Signature:
         else:
             batch = [put(leaves[i], split=True) for i in plan.batch_leaves]
         rng = owner.rng() if self.random else None
-        params, states = mirror.step_state()
+        params, states = mirror.pool.step_arrays()
         args = (params, self.fixed, self.updated, states, mirror.counts, owner.hyperparameters(),
                 batch, rng, owner._signal_input() if owner.signals else None)
-        if self._executable is None or self._packing is not mirror.packing:
-            self._packing = mirror.packing  # (a pool of other shapes or dtypes: compiled again)
+        if self._executable is None or self._packing is not mirror.pool.packing:
+            self._packing = mirror.pool.packing  # (a pool of other shapes or dtypes: compiled again)
             self._executable = self.step.compiled(*args)
             owner.stats.compile_seconds += self.step.stats.compile_seconds
         if self._serialize and self._in_flight is not None:
@@ -339,12 +340,12 @@ class _Signature:
         return LazyScalar(losses)
 
 
-def _pooled(body: Callable[..., Any], mirror: Mirror, layout: Layout) -> Callable[..., Any]:
-    """`body` taking and returning the parameters and optimizer state as the mirror's pool (see
-    Mirror.step_state), cut into arrays as the step starts and packed again as it ends; the layout
-    is the mirror's when the step is traced."""
+def _pooled(body: Callable[..., Any], state: StatePool, layout: Layout) -> Callable[..., Any]:
+    """`body` taking and returning the parameters and optimizer state as the pool (see `_pool`),
+    cut into arrays as the step starts and packed again as it ends, in the pool's layout when the
+    step is traced."""
     def pooled(pool, fixed, updated, _states, *rest):
-        packing = mirror.packing
+        packing = state.packing
         params, states = unflatten_state(packing.split(pool), layout)
         params, updated, states, *outs = body(params, fixed, updated, states, *rest)
         # each array back in the dtype its place in the pool has, so the pool keeps its layout

@@ -36,7 +36,7 @@ import torch
 from tpudist import contract
 from tpudist.compile._torch import _optim
 from tpudist.compile._torch._convert import torch_view
-from tpudist.compile._torch._pack import Packing
+from tpudist.compile._torch._pool import StatePool
 
 if TYPE_CHECKING:
     from tpudist.compile._torch._placement import Placement
@@ -45,10 +45,6 @@ if TYPE_CHECKING:
 # None: decided per array (torch views CPU buffers); False: always copy, as on a TPU
 HOST_VIEW: bool | None = None if os.environ.get(contract.TORCH_HOST_VIEW, "1") != "0" else False
 crossings: collections.Counter = collections.Counter()  # "to_host", "to_device": arrays crossed
-# a parameter or optimizer-state array this size or smaller joins the pool. Larger ones cost the
-# device more to pack than their launch costs the host: the 32-256-4 MLP's step given its batch on
-# the device, 32 KiB weights pooled (64 KiB limit) 65-70 us against 58-61 us kept apart (4 KiB)
-POOL_MAX_BYTES = 4 << 10
 
 # every mirror of a module, so that any of them (or a compiled module) can bring torch up to date
 _MIRRORS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
@@ -77,23 +73,13 @@ class Mirror:
     step counts as one float32 array; named: the other state the graphs read, by key (buffers and
     frozen parameters by path). `owner` is the compiled signature whose updated-buffer list holds
     the newest buffer values (it keeps them in its own lists between its steps).
-
-    On one device (`packs`), the steps take and return the parameters and optimizer state as a
-    pool of few buffers (`step_state`): every array of up to 4 KiB packed into one flat buffer per
-    dtype, the larger ones as they are (`_pack.Packing`). XLA:CPU's launch costs the calling thread
-    ~1-2.5 us per buffer on top of ~15 us, most of a small model's step (docs/torch.md). `params`
-    and `states` are cut out of the pool only when something reads them (a door, a checkpoint).
+    On one device the parameters and optimizer state travel as a pool (`pool`, see `_pool`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: "Layout",
                  placement: "Placement"):
         self.model, self.optimizer, self.layout, self.placement = model, optimizer, layout, placement
-        # per entry, current unless None (then the pool is); the pool: current unless None
-        self._entries: tuple[list[jax.Array], list[tuple[jax.Array, ...]]] | None = ([], [])
-        self._pool: list[jax.Array] | None = None
-        self.packs = placement.single and not any(e.sharded for e in layout.entries)
-        self.packing: Packing | None = None  # the pool's layout (fixed by the first step's arrays)
-        self._pieces: Any = None             # packing.pieces, jitted
+        self.pool = StatePool(layout, pooled=placement.single and not any(e.sharded for e in layout.entries))
         self.counts: jax.Array | None = None
         self.named: dict[str, jax.Array] = {}
         self.named_sources: dict[str, Any] = {}  # key -> getter of its torch tensor
@@ -110,36 +96,8 @@ class Mirror:
             _MIRRORS.setdefault(module, weakref.WeakSet()).add(self)
         self._peers = _MIRRORS[model]  # every mirror of this model, this one included
 
-    @property
-    def params(self) -> list[jax.Array]:
-        return self._unpacked()[0]
-
-    @property
-    def states(self) -> list[tuple[jax.Array, ...]]:
-        return self._unpacked()[1]
-
-    def set_state(self, params: list[jax.Array], states: list[tuple[jax.Array, ...]]) -> None:
-        """Makes these per-entry arrays the device state (the pool is packed again when a step
-        needs it)."""
-        self._entries, self._pool = (list(params), [tuple(s) for s in states]), None
-
-    def step_state(self) -> tuple[Any, Any]:
-        """What a step takes for its parameters and optimizer state: (params, states), or on one
-        device (the pool, []), packed here if the per-entry arrays changed since the last step."""
-        if not self.packs:
-            return self.params, self.states
-        if self._pool is None:
-            flat = flatten_state(*self._entries)
-            packing = Packing.of(flat, POOL_MAX_BYTES)
-            if self.packing is None or packing.key != self.packing.key:
-                self.packing, self._pieces = packing, jax.jit(packing.pieces)
-            self._pool = packing.pack(flat, _concat)
-        return self._pool, []
-
-    def _unpacked(self) -> tuple[list[jax.Array], list[tuple[jax.Array, ...]]]:
-        if self._entries is None:  # cut the pool the last step returned (one executable)
-            self._entries = unflatten_state(self.packing.split(self._pool, self._pieces), self.layout)
-        return self._entries
+    params = property(lambda self: self.pool.entries()[0], doc="Per layout entry, its parameter's array.")
+    states = property(lambda self: self.pool.entries()[1], doc="Per layout entry, its optimizer-state arrays.")
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -202,7 +160,7 @@ class Mirror:
                 values.append(put(current, entry.sharded))
             states.append(tuple(values))
             counts.append(_optim.step_count(cfg, state))
-        self.set_state(params, states)
+        self.pool.set(params, states)
         self.counts = put(np.asarray(counts, np.float32), False)
         self.named = {key: put(get(), False) for key, get in self.named_sources.items()}
         self.owner = None
@@ -242,7 +200,7 @@ class Mirror:
                     changed = True
             states[i] = tuple(values)
         if changed:
-            self.set_state(params, states)
+            self.pool.set(params, states)
         counts = [_optim.step_count(e.config, optimizer_state.get(e.param, {})) for e in self.layout.entries]
         if counts != self._synced_counts:
             self.counts = self._put(np.asarray(counts, np.float32), False)
@@ -276,13 +234,9 @@ class Mirror:
     # -- after a step ---------------------------------------------------------------------------
 
     def stepped(self, params: Any, states: Any, counts: jax.Array, owner: Any) -> None:
-        """A step's new state, in the form `step_state` gave it."""
-        if self.packs:
-            self._pool, self._entries = params, None
-        else:
-            self._entries = (params, states)
-        self.counts, self.owner = counts, owner
-        self.torch_current = False
+        """A step's new state, in the form `pool.step_arrays()` gave it."""
+        self.pool.stepped(params, states)
+        self.counts, self.owner, self.torch_current = counts, owner, False
 
     # -- torch's view ----------------------------------------------------------------------------
 
@@ -320,10 +274,7 @@ class Mirror:
         self.torch_current = True
 
     def _host(self, array: jax.Array, split: bool) -> Any:
-        blocks = [to_host(b) for b in self.placement.local_blocks(array, split)]
-        if len(blocks) == 1:
-            return blocks[0]
-        return torch.cat([torch.as_tensor(b) for b in blocks])
+        return _host_value(self.placement, array, split)
 
     def _record(self, key: str, tensor: torch.Tensor) -> None:
         self._written[key] = (id(tensor), tensor.data_ptr(), tensor._version)
@@ -348,7 +299,7 @@ class Mirror:
         """Makes `tree` (from `state_tree`, restored with its shardings) the training state: the
         device arrays directly, the buffers through torch (small; uploaded by the next step)."""
         self.flush_owner()
-        self.set_state(list(tree["params"]), [tuple(s) for s in tree["optimizer"]])
+        self.pool.set(list(tree["params"]), [tuple(s) for s in tree["optimizer"]])
         self.counts = tree["counts"]
         with torch.no_grad():
             for name, buffer in self.model.named_buffers():
@@ -367,18 +318,12 @@ class Mirror:
         self.torch_current = True
 
 
-_concat = jax.jit(Packing.concat)  # the pool's group buffers from their members' arrays
-
-
-def flatten_state(params: list[Any], states: list[tuple[Any, ...]]) -> list[Any]:
-    """The pool's order: every parameter, then every entry's optimizer-state arrays."""
-    return list(params) + [a for entry in states for a in entry]
-
-
-def unflatten_state(flat: list[Any], layout: "Layout") -> tuple[list[Any], list[tuple[Any, ...]]]:
-    """`flatten_state`'s inverse for `layout`'s entries."""
-    params, rest = list(flat[:len(layout)]), iter(flat[len(layout):])
-    return params, [tuple(next(rest) for _ in e.config.state) for e in layout.entries]
+def _host_value(placement: "Placement", array: jax.Array, split: bool) -> Any:
+    """This process's part of `array` for torch (one crossing per local block)."""
+    blocks = [to_host(b) for b in placement.local_blocks(array, split)]
+    if len(blocks) == 1:
+        return blocks[0]
+    return torch.cat([torch.as_tensor(b) for b in blocks])
 
 
 def _as_torch(value: Any) -> torch.Tensor:
