@@ -227,6 +227,33 @@ def test_parameters_of_any_shape_train_as_in_eager_torch(adam, shapes, large, se
     assert step.stats.compiles == 1
 
 
+def test_parameters_of_two_dtypes_train_as_in_eager_torch():
+    """A model holding float32 and bfloat16 parameters: each dtype has its own buffer in the pool,
+    and the parameters come back in their own dtypes, trained as eager torch trains them (within
+    bfloat16's precision where that layer computes in it)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3).to(torch.bfloat16))
+
+    class Mixed(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net[2](self.net[1](self.net[0](x)).to(torch.bfloat16)).float()
+
+    model, ref = Mixed(net), Mixed(copy.deepcopy(net))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    data = batches(count=4)
+    losses = [step(batch).item() for batch in data]
+    np.testing.assert_allclose(losses, eager_train(ref, ref_opt, data), rtol=1e-3)
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert got.dtype == want.dtype, name
+        tol = dict(atol=4e-3, rtol=1e-2) if got.dtype == torch.bfloat16 else dict(atol=5e-4, rtol=1e-4)
+        np.testing.assert_allclose(got.float().numpy(), want.float().numpy(), err_msg=name, **tol)
+
+
 def test_errors_name_the_problem_and_the_fix():
     model = mlp()
     with pytest.raises(TypeError, match=r"RMSprop.*eager_step"):
