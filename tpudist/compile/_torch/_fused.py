@@ -349,7 +349,7 @@ def _pooled(body: Callable[..., Any], state: StatePool, layout: Layout) -> Calla
         params, states = unflatten_state(packing.split(pool), layout)
         params, updated, states, *outs = body(params, fixed, updated, states, *rest)
         # each array back in the dtype its place in the pool has, so the pool keeps its layout
-        flat = [a.astype(dtype) for a, (_, dtype) in zip(flatten_state(params, states), packing.key[0])]
+        flat = [a.astype(dtype) for a, dtype in zip(flatten_state(params, states), packing.dtypes)]
         return (packing.pack(flat), updated, [], *outs)
 
     return pooled

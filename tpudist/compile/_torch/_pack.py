@@ -37,7 +37,8 @@ class Packing:
 
     def __init__(self, avals: list[tuple[tuple[int, ...], np.dtype]], max_bytes: int = PACK_MAX_BYTES):
         self.shapes = [tuple(shape) for shape, _ in avals]
-        self._key = (tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in avals), max_bytes)
+        self.dtypes = [np.dtype(dtype) for _, dtype in avals]
+        self.key = (tuple(zip(self.shapes, self.dtypes)), max_bytes)  # equal keys: equal layouts
         by_dtype: dict[np.dtype, list[int]] = {}
         alone: list[int] = []
         for i, (shape, dtype) in enumerate(avals):
@@ -49,22 +50,16 @@ class Packing:
         self.groups = [members for members in by_dtype.values() if len(members) > 1]
         alone += [members[0] for members in by_dtype.values() if len(members) == 1]
         self.alone = sorted(alone)
-        self.sizes = [[math.prod(self.shapes[i]) for i in members] for members in self.groups]
         # where each member lies in its group's buffer, as torch.as_strided takes it: (index, shape,
         # contiguous strides, offset); one view each, without split's list and per-piece reshapes
         self.places = [[(i, self.shapes[i], _strides(self.shapes[i]), offset)
-                        for i, offset in zip(members, _offsets(sizes))]
-                       for members, sizes in zip(self.groups, self.sizes)]
+                        for i, offset in zip(members, _offsets([math.prod(self.shapes[i]) for i in members]))]
+                       for members in self.groups]
         self.trivial = not self.groups  # nothing to pack: the arrays cross as they are
 
     @classmethod
     def of(cls, arrays: list[Any], max_bytes: int = PACK_MAX_BYTES) -> Packing:
         return cls([(tuple(a.shape), np.dtype(a.dtype)) for a in arrays], max_bytes)
-
-    @property
-    def key(self) -> tuple:
-        """The arrays' shapes and dtypes: two packings with equal keys lay buffers out alike."""
-        return self._key
 
     def pack(self, arrays: list[Any], concat: Any = None) -> list[Any]:
         """Inside the executable: one flat buffer per group, then the arrays that cross alone.
@@ -80,8 +75,8 @@ class Packing:
         if self.trivial:
             return list(crossed)
         out: list[Any] = [None] * len(self.shapes)
-        for members, pieces in zip(self.groups, (pieces or self.pieces)(crossed[:len(self.groups)])):
-            for i, piece in zip(members, pieces):
+        for members, cut in zip(self.groups, (pieces or self.pieces)(crossed[:len(self.groups)])):
+            for i, piece in zip(members, cut):
                 out[i] = piece
         for i, array in zip(self.alone, crossed[len(self.groups):]):
             out[i] = array
