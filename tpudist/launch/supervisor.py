@@ -42,6 +42,7 @@ from tpudist.launch._output import LogSink
 from tpudist.launch._preflight import preflight_paths, refusal
 from tpudist.launch._report import StartStatus, ending_table, restart_table, version_skew
 from tpudist.launch._transport import AgentHandle, close_agents, open_agents, reach_address
+from tpudist.launch._wake import WakeQueue
 from tpudist.launch.attempt import Attempt, AttemptResult, Exit, Outcome, Phase, Restarts
 from tpudist.launch.config import LaunchConfig
 from tpudist.launch.control import Bootstrap
@@ -97,7 +98,7 @@ class Supervisor:
         self.hosts = cluster.hosts
         self.job_id = secrets.token_hex(6)
         self.token = secrets.token_urlsafe(32)
-        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()  # put() is safe in a signal handler
+        self.events: WakeQueue[Event] = WakeQueue()  # put() is safe in a signal handler
         self.server = None  # the ControlServer, started while the hosts connect
         self.agents: dict[int, AgentHandle] = {}
         self.registered: dict[int, pb.RegisterRequest] = {}
@@ -342,7 +343,7 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def _signal_handlers(interrupts: list[int], events: queue.SimpleQueue):
+def _signal_handlers(interrupts: list[int], events: WakeQueue):
     """SIGINT/SIGTERM recorded in `interrupts` (and an Interrupt event to wake the loop); SIGUSR1/2
     queued to be passed on to the job. The previous handlers come back afterwards."""
     def on_signal(signum, frame) -> None:

@@ -24,6 +24,7 @@ import time
 import grpc
 
 from tpudist import _proc
+from tpudist.launch._wake import WakeQueue
 from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control import control_pb2_grpc as pb_grpc
@@ -88,15 +89,13 @@ def versions() -> dict[str, str]:
 class Ending:
     """How an agent's run ends: the first reason given, from any thread or a signal handler.
 
-    A Python signal handler runs on the main thread between two bytecodes, which can be while that
-    thread holds the lock inside `threading.Event.wait`; an `Event.set` in the handler then waits
-    for that lock forever, and the agent never stops its processes (seen once in CI: a SIGKILLed
-    launcher's processes outlived it). `queue.SimpleQueue.put` is reentrant, so ending takes no
-    lock the main thread could be holding."""
+    SIGTERM's handler runs on the main thread between two bytecodes, possibly inside the wait
+    itself: the wake-up goes through a `WakeQueue`, which takes no lock and keeps its deadline
+    (`threading.Event` and `queue.SimpleQueue` each hung here; see `tpudist.launch._wake`)."""
 
     def __init__(self) -> None:
         self.reason = ""
-        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake: WakeQueue[str] = WakeQueue()
 
     def finish(self, reason: str) -> None:
         if not self.reason:

@@ -21,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import queue
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
 from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control import control_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from tpudist.launch._wake import WakeQueue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,7 @@ class _Servicer(pb_grpc.ControlServicer):
 class ControlServer:
     """The gRPC server, on 127.0.0.1 and an asyncio thread of its own."""
 
-    def __init__(self, token: str, events: "queue.SimpleQueue[ControlEvent]", job_id: str = "") -> None:
+    def __init__(self, token: str, events: "WakeQueue[ControlEvent]", job_id: str = "") -> None:
         self.token, self.events, self.job_id = token, events, job_id
         self.outboxes: dict[int, asyncio.Queue] = {}
         self.rejected = 0
