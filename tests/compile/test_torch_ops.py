@@ -605,6 +605,27 @@ def test_compiled_slices_cutting_one_dimension(size, data):
     check_compiled(lambda x: tuple(x[:, a:b] * (i + 1) for i, (a, b) in enumerate(ranges)), x)
 
 
+@examples(8)
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=3), k=st.integers(1, 6), n=st.integers(1, 5),
+       bias=st.booleans(), layout=st.sampled_from(["plain", "permuted", "heads"]))
+def test_compiled_linear_on_inputs_of_any_rank_and_layout(lead, k, n, bias, layout):
+    """`F.linear` on an input of any rank (its leading dims flattened into rows by decomposition,
+    and the weight's transpose contracted directly by the lowering), permuted before the product,
+    or made of heads merged into the feature dim (MultiheadAttention's output projection): values
+    and the input's, weight's and bias's gradients equal eager torch's."""
+    heads = 2 if layout == "heads" else 1
+    x = randn(heads, *lead, k) if layout == "heads" else randn(*lead, k)
+    w, b = randn(n, k * heads, seed=1), randn(n, seed=2) if bias else None
+
+    def fn(x, w, *b):
+        if layout == "permuted" and x.ndim > 2:
+            x = x.transpose(0, -2)
+        elif layout == "heads":  # (heads, *lead, k) -> (*lead, heads * k)
+            x = x.movedim(0, -2).reshape(*lead, heads * k)
+        return F.linear(x, w, *b)
+    check_compiled(fn, x, w, *([b] if bias else []))
+
+
 def test_compiled_indexing_and_shapes():
     x, idx = randn(4, 6), torch.tensor([[0, 2, 5], [1, 1, 0], [3, 4, 5], [5, 0, 2]])
     check_compiled(lambda x, i: (x[i[:3, 0]], x[:, 1:5:2], x[..., None], torch.gather(x, 1, i),
