@@ -94,7 +94,8 @@ class Staging:
     waited for. Where the host runs ahead of the device (a small model's fused step), that wait
     is where the host sleeps, and the device must still have steps queued when it wakes. The
     32-256-4 MLP's step (pooled state) fell into a slow lockstep (77-121 us a step against ~55)
-    in 3 of 6 runs with 2 sets and in 2 of 7 with 8; the fused step keeps 8."""
+    in 3 of 6 runs with 2 sets and in 2 of 7 with 8; the fused step keeps 8. The hand-written
+    JAX step swings as much on this machine (docs/torch.md, "Against the engine's own floor")."""
 
     def __init__(self, placement: Placement, examples: list[torch.Tensor], sets: int = 2):
         self.placement = placement
