@@ -255,7 +255,7 @@ class _Signature:
                          accumulate=owner.accumulate_steps, random=self.random, max_norm=owner.max_grad_norm,
                          collective=collective)
         if owner.mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
-            body = _pooled(body, owner.mirror.pool, layout)
+            body = _pooled(body, owner.mirror.pool)
             param_specs, state_specs = P(), P()
         else:
             param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
@@ -340,13 +340,13 @@ class _Signature:
         return LazyScalar(losses)
 
 
-def _pooled(body: Callable[..., Any], state: StatePool, layout: Layout) -> Callable[..., Any]:
+def _pooled(body: Callable[..., Any], state: StatePool) -> Callable[..., Any]:
     """`body` taking and returning the parameters and optimizer state as the pool (see `_pool`),
     cut into arrays as the step starts and packed again as it ends, in the pool's layout when the
     step is traced."""
     def pooled(pool, fixed, updated, _states, *rest):
         packing = state.packing
-        params, states = unflatten_state(packing.split(pool), layout)
+        params, states = unflatten_state(packing.split(pool), state.layout)
         params, updated, states, *outs = body(params, fixed, updated, states, *rest)
         # each array back in the dtype its place in the pool has, so the pool keeps its layout
         flat = [a.astype(dtype) for a, dtype in zip(flatten_state(params, states), packing.dtypes)]

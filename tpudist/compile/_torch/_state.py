@@ -246,7 +246,7 @@ class Mirror:
         if self.torch_current or not self.device_current:
             return  # torch holds the newest values already
         from tpudist import _profile
-        with _profile.span("tpudist.torch_sync", arrays=len(self.params)):
+        with _profile.span("tpudist.torch_sync", arrays=len(self.layout)):
             self._sync()
 
     def _sync(self) -> None:
