@@ -16,7 +16,11 @@ momentum on both sides: the whole train step (eager torch, the fused step given 
 given its batch already on the devices as the JAX side's is, jax.jit) and
 forward+backward (eager, `tpudist.compile(model)` with the loss in eager torch,
 `tpudist.compile` of model and loss together, jax.jit of value_and_grad); ratios fused/JAX and
-compiled/JAX. Each side's time is the median over `--repeats` runs of `--steps` steps (a run ends
+compiled/JAX. A second table puts the compiled forward+backward against torch's own share of it:
+the same caller code around a module that computes nothing (`scripts/_autograd_floor.py`: the
+module call, the loss, the autograd engine, a fresh `.grad` per parameter), alone ('floor') and
+right after JAX's forward+backward waited for ('reach': the least any bridge that keeps torch's
+autograd driving can cost, its host work run after an executable as it must be). Each side's time is the median over `--repeats` runs of `--steps` steps (a run ends
 when its last result is ready), the sides interleaved run by run.
 
 `--hf` adds third-party models as users bring them, from `transformers` configs (random
@@ -57,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tpudist  # noqa: E402
+from _autograd_floor import Floor  # noqa: E402
 from torch_models import REFERENCES, WithLoss  # noqa: E402
 
 
@@ -212,7 +217,8 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     torch.manual_seed(0)
     model = ref.build()
     inputs, target = ref.batch(ref.batch_size, torch.Generator().manual_seed(0))
-    eager_model, fused_model, fb_model, compiled_model, loss_model = (copy.deepcopy(model) for _ in range(5))
+    eager_model, fused_model, fb_model, compiled_model, loss_model, floor_model = (copy.deepcopy(model)
+                                                                                   for _ in range(6))
     sgd = lambda ps: torch.optim.SGD(ps, lr=jr.LR, momentum=jr.MOMENTUM)  # noqa: E731
 
     params, state = ref.params_from(model)
@@ -245,6 +251,11 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     compiled = tpudist.compile(compiled_model)
     with_loss = tpudist.compile(WithLoss(loss_model, F.cross_entropy))
     fb_params_torch, cm_params = list(fb_model.parameters()), list(compiled_model.parameters())
+    # torch's own share: the same caller code around modules that compute nothing (_autograd_floor)
+    with torch.no_grad():
+        logits = copy.deepcopy(model)(*inputs)
+        floor, floor_loss = Floor(floor_model, logits), Floor(floor_model, F.cross_entropy(logits, target))
+    floor_params = list(floor_model.parameters())
 
     def fb(module: torch.nn.Module, params: list, loss_inside: bool = False) -> Callable[[], Any]:
         def step() -> Any:
@@ -256,6 +267,12 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
         return step
 
     nothing, ready = (lambda out: None), (lambda out: jax.block_until_ready(out))
+
+    def after_jax(torch_side: Callable[[], Any]) -> Callable[[], Any]:
+        def step() -> Any:
+            jax.block_until_ready(forward_backward(fb_params, fb_state, x, y))
+            return torch_side()
+        return step
     # the batch already on the devices, as the JAX side's is (what tpudist.device_loader and fit
     # hand the step, prepared while the previous step runs)
     device_batch = next(iter(tpudist.device_loader([batch])))
@@ -264,6 +281,13 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
              "jax_step": (jax_step, ready),
              "eager_fb": (fb(fb_model, fb_params_torch), nothing), "compiled_fb": (fb(compiled, cm_params), nothing),
              "compiled_loss_fb": (fb(with_loss, list(loss_model.parameters()), loss_inside=True), nothing),
+             "floor_fb": (fb(floor, floor_params), nothing),
+             "floor_loss_fb": (fb(floor_loss, floor_params, loss_inside=True), nothing),
+             # JAX's forward+backward waited for, then torch's share: what a bridge that keeps torch's
+             # autograd driving costs at the least, its host work run right after an executable,
+             # as it will be (caches cold: docs/torch.md)
+             "reach_fb": (after_jax(fb(floor, floor_params)), nothing),
+             "reach_loss_fb": (after_jax(fb(floor_loss, floor_params, loss_inside=True)), nothing),
              "jax_fb": (lambda: forward_backward(fb_params, fb_state, x, y), ready),
              # the same, waited for call by call as a torch caller must (its loss is a real tensor)
              "jax_fb_waited": (lambda: jax.block_until_ready(forward_backward(fb_params, fb_state, x, y)), nothing)}
@@ -284,6 +308,12 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
            "compiled_over_jax": times["compiled_fb"] / times["jax_fb"],
            "compiled_loss_over_jax": times["compiled_loss_fb"] / times["jax_fb"],
            "compiled_loss_over_jax_waited": times["compiled_loss_fb"] / times["jax_fb_waited"],
+           # the least a bridge that keeps torch's autograd driving can reach: the executable waited
+           # for (the caller needs its result before going on), then torch's share
+           "floor_over_jax": times["floor_fb"] / times["jax_fb"],
+           "floor_loss_over_jax": times["floor_loss_fb"] / times["jax_fb"],
+           "reachable_over_jax": times["reach_fb"] / times["jax_fb"],
+           "reachable_loss_over_jax": times["reach_loss_fb"] / times["jax_fb"],
            "eager_fb_over_jax": times["eager_fb"] / times["jax_fb"],
            "first_call_s": first, "torch_threads": torch.get_num_threads()}
     assert fused.stats.compiles == 1 and compiled.stats.compiles == 1 and with_loss.stats.compiles == 1, \
@@ -307,6 +337,22 @@ def _jax_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['compiled_fb_ms']:>10.3f}{r['compiled_loss_fb_ms']:>9.3f}{r['jax_fb_ms']:>9.3f}"
                      f"{r['jax_fb_waited_ms']:>9.3f}{r['compiled_over_jax']:>12.2f}x{r['compiled_loss_over_jax']:>9.2f}x"
                      f"{r['compiled_loss_over_jax_waited']:>12.2f}x")
+    return "\n".join(lines)
+
+
+def _floor_table(rows: list[dict[str, Any]]) -> str:
+    header = (f"{'model':<12}{'jax fb':>9}{'waited':>9}{'floor':>9}{'+loss':>9}{'reach':>9}{'+loss':>9}"
+              f"{'floor/jax':>10}{'+loss':>8}{'reach/jax':>10}{'+loss':>8}{'compiled/jax':>13}{'+loss':>8}")
+    lines = ["compiled forward+backward against torch's own share, ms (median): 'floor' is the same caller code "
+             "around a module that computes nothing (scripts/_autograd_floor.py), loss in torch / '+loss' inside "
+             "the module; 'reach' is JAX's forward+backward waited for, then that floor: the least a bridge that "
+             "keeps torch's autograd driving can reach", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['model']:<12}{r['jax_fb_ms']:>9.3f}{r['jax_fb_waited_ms']:>9.3f}{r['floor_fb_ms']:>9.3f}"
+                     f"{r['floor_loss_fb_ms']:>9.3f}{r['reach_fb_ms']:>9.3f}{r['reach_loss_fb_ms']:>9.3f}"
+                     f"{r['floor_over_jax']:>9.2f}x{r['floor_loss_over_jax']:>7.2f}x"
+                     f"{r['reachable_over_jax']:>9.2f}x{r['reachable_loss_over_jax']:>7.2f}x"
+                     f"{r['compiled_over_jax']:>12.2f}x{r['compiled_loss_over_jax']:>7.2f}x")
     return "\n".join(lines)
 
 
@@ -588,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(rows))
     if jax_rows:
         print(_jax_table(jax_rows))
+        print(_floor_table(jax_rows))
     if args.json and (rows or jax_rows):
         print(f"picture: {_draw(args.json, rows, jax_rows)}", file=sys.stderr)
     if dp_rows:
