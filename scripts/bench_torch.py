@@ -321,39 +321,49 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     return row
 
 
-def _jax_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'model':<12}{'batch':>6}{'eager step':>11}{'fused':>9}{'on dev':>9}{'jax':>9}{'fused/jax':>10}"
-              f"{'dev/jax':>9}"
-              f"{'eager fb':>10}{'compiled':>10}{'+loss':>9}{'jax fb':>9}{'waited':>9}{'compiled/jax':>13}"
-              f"{'+loss/jax':>10}{'+loss/waited':>13}")
-    lines = ["vs the same model written by hand in JAX (jax.jit, donated), ms per step (median); "
-             "ratio = tpudist / JAX (<= 1: at the engine's floor); 'on dev': the fused step given its batch "
-             "on the devices (a DeviceBatch), as the JAX side's is; 'waited': JAX's fwd+bwd waited for "
-             "call by call, as a compiled torch module's caller must", header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['model']:<12}{r['batch']:>6}{r['eager_step_ms']:>11.3f}{r['fused_step_ms']:>9.3f}"
-                     f"{r['fused_step_device_ms']:>9.3f}{r['jax_step_ms']:>9.3f}{r['fused_over_jax']:>9.2f}x"
-                     f"{r['fused_device_over_jax']:>8.2f}x{r['eager_fb_ms']:>10.3f}"
-                     f"{r['compiled_fb_ms']:>10.3f}{r['compiled_loss_fb_ms']:>9.3f}{r['jax_fb_ms']:>9.3f}"
-                     f"{r['jax_fb_waited_ms']:>9.3f}{r['compiled_over_jax']:>12.2f}x{r['compiled_loss_over_jax']:>9.2f}x"
-                     f"{r['compiled_loss_over_jax_waited']:>12.2f}x")
+def _columns(title: str, columns: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
+    """A text table: each column (header, row key, width, format), the format "s" (left-aligned
+    text), "d" (an integer), "ms" (3 decimals) or "x" (a ratio, 2 decimals and an x)."""
+    def cell(value: Any, width: int, form: str) -> str:
+        if form == "s":
+            return f"{value:<{width}}"
+        if form == "x":
+            return f"{value:>{width - 1}.2f}x"
+        return f"{value:>{width}d}" if form == "d" else f"{value:>{width}.3f}"
+    header = "".join(f"{name:<{width}}" if form == "s" else f"{name:>{width}}" for name, _, width, form in columns)
+    lines = [title, header, "-" * len(header)]
+    lines += ["".join(cell(r[key], width, form) for _, key, width, form in columns) for r in rows]
     return "\n".join(lines)
+
+
+def _jax_table(rows: list[dict[str, Any]]) -> str:
+    return _columns(
+        "vs the same model written by hand in JAX (jax.jit, donated), ms per step (median); "
+        "ratio = tpudist / JAX (<= 1: at the engine's floor); 'on dev': the fused step given its batch "
+        "on the devices (a DeviceBatch), as the JAX side's is; 'waited': JAX's fwd+bwd waited for "
+        "call by call, as a compiled torch module's caller must",
+        [("model", "model", 12, "s"), ("batch", "batch", 6, "d"), ("eager step", "eager_step_ms", 11, "ms"),
+         ("fused", "fused_step_ms", 9, "ms"), ("on dev", "fused_step_device_ms", 9, "ms"),
+         ("jax", "jax_step_ms", 9, "ms"), ("fused/jax", "fused_over_jax", 10, "x"),
+         ("dev/jax", "fused_device_over_jax", 9, "x"), ("eager fb", "eager_fb_ms", 10, "ms"),
+         ("compiled", "compiled_fb_ms", 10, "ms"), ("+loss", "compiled_loss_fb_ms", 9, "ms"),
+         ("jax fb", "jax_fb_ms", 9, "ms"), ("waited", "jax_fb_waited_ms", 9, "ms"),
+         ("compiled/jax", "compiled_over_jax", 13, "x"), ("+loss/jax", "compiled_loss_over_jax", 10, "x"),
+         ("+loss/waited", "compiled_loss_over_jax_waited", 13, "x")], rows)
 
 
 def _floor_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'model':<12}{'jax fb':>9}{'waited':>9}{'floor':>9}{'+loss':>9}{'reach':>9}{'+loss':>9}"
-              f"{'floor/jax':>10}{'+loss':>8}{'reach/jax':>10}{'+loss':>8}{'compiled/jax':>13}{'+loss':>8}")
-    lines = ["compiled forward+backward against torch's own share, ms (median): 'floor' is the same caller code "
-             "around a module that computes nothing (scripts/_autograd_floor.py), loss in torch / '+loss' inside "
-             "the module; 'reach' is JAX's forward+backward waited for, then that floor: the least a bridge that "
-             "keeps torch's autograd driving can reach", header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['model']:<12}{r['jax_fb_ms']:>9.3f}{r['jax_fb_waited_ms']:>9.3f}{r['floor_fb_ms']:>9.3f}"
-                     f"{r['floor_loss_fb_ms']:>9.3f}{r['reach_fb_ms']:>9.3f}{r['reach_loss_fb_ms']:>9.3f}"
-                     f"{r['floor_over_jax']:>9.2f}x{r['floor_loss_over_jax']:>7.2f}x"
-                     f"{r['reachable_over_jax']:>9.2f}x{r['reachable_loss_over_jax']:>7.2f}x"
-                     f"{r['compiled_over_jax']:>12.2f}x{r['compiled_loss_over_jax']:>7.2f}x")
-    return "\n".join(lines)
+    return _columns(
+        "compiled forward+backward against torch's own share, ms (median): 'floor' is the same caller code "
+        "around a module that computes nothing (scripts/_autograd_floor.py), loss in torch / '+loss' inside "
+        "the module; 'reach' is JAX's forward+backward waited for, then that floor: the least a bridge that "
+        "keeps torch's autograd driving can reach",
+        [("model", "model", 12, "s"), ("jax fb", "jax_fb_ms", 9, "ms"), ("waited", "jax_fb_waited_ms", 9, "ms"),
+         ("floor", "floor_fb_ms", 9, "ms"), ("+loss", "floor_loss_fb_ms", 9, "ms"), ("reach", "reach_fb_ms", 9, "ms"),
+         ("+loss", "reach_loss_fb_ms", 9, "ms"), ("floor/jax", "floor_over_jax", 10, "x"),
+         ("+loss", "floor_loss_over_jax", 8, "x"), ("reach/jax", "reachable_over_jax", 10, "x"),
+         ("+loss", "reachable_loss_over_jax", 8, "x"), ("compiled/jax", "compiled_over_jax", 13, "x"),
+         ("+loss", "compiled_loss_over_jax", 8, "x")], rows)
 
 
 def _draw(json_path: Path, rows: list[dict[str, Any]], jax_rows: list[dict[str, Any]]) -> str:
