@@ -83,7 +83,7 @@ def to_device_batch(batch: Any, placement: Any, parts: int) -> DeviceBatch:
     leaves = [torch.as_tensor(x) if isinstance(x, np.ndarray) else x for x in leaves]
     rows = batch_rows(leaves, parts)
     keys = tuple(_leaf_key(t) for t in leaves)
-    arrays = [placement.put(t, split=True) if isinstance(t, torch.Tensor) else t for t in leaves]
+    arrays = [placement.put(t, split=True, copy=True) if isinstance(t, torch.Tensor) else t for t in leaves]
     return DeviceBatch(arrays, spec, keys, rows)
 
 
