@@ -566,3 +566,31 @@ def test_fit_names_eager_step_when_the_model_cannot_be_compiled():
     eager_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), list(loader))
     assert len(history) == 1
     assert_same_state(model, ref)
+
+
+def _refilled(data: list, x: torch.Tensor, y: torch.Tensor):
+    """One (x, y) pair of tensors, refilled in place with each batch of `data` in turn."""
+    for a, b in data:
+        x.copy_(a)
+        y.copy_(b)
+        yield x, y
+
+
+# rows of 512 float32: 32 KiB (copied into reused buffers), 128 KiB and 512 KiB (their own copies)
+@pytest.mark.parametrize("rows", [16, 64, 256])
+@pytest.mark.parametrize("through_loader", [False, True])
+def test_a_batch_refilled_in_place_after_each_call_trains_as_in_eager_torch(rows, through_loader):
+    """A batch may be written by its owner as soon as `step(batch)` (or `device_loader`) returns,
+    as in eager torch: the step runs later, so its values must be taken at the call."""
+    g = torch.Generator().manual_seed(rows)
+    data = [(torch.randn(rows, 512, generator=g), torch.randint(0, 4, (rows,), generator=g)) for _ in range(8)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 4))
+    reference = copy.deepcopy(model)
+    step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    refilled = _refilled(data, torch.empty(rows, 512), torch.empty(rows, dtype=torch.long))
+    # no loss is read before the last step is queued: the steps run behind the loop
+    losses = [step(batch) for batch in (tpudist.device_loader(refilled) if through_loader else refilled)]
+    want = eager_train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), data)
+    np.testing.assert_allclose([float(loss) for loss in losses], want, rtol=1e-5)
+    assert_same_state(model, reference)
