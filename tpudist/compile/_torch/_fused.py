@@ -32,7 +32,7 @@ from tpudist.compile._torch._lazy import LazyScalar
 from tpudist.compile._torch._loader import DeviceBatch, batch_rows
 from tpudist.compile._torch._lower import lower
 from tpudist.compile._torch._module import _leaf_key
-from tpudist.compile._torch._placement import AXIS, STEP_STAGE_MAX_BYTES, Placement, Staging
+from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch._plan import Layout, Objective, plan
 from tpudist.compile._torch._pool import StatePool, flatten_state, unflatten_state
 from tpudist.compile._torch._state import Mirror
@@ -279,7 +279,7 @@ class _Signature:
         batch_examples = [tensors[i] for i in self.plan.batch_leaves] if len(tensors) == len(
             torch.utils._pytree.tree_leaves(example)) else []
         self._staging: Staging | None = None
-        if batch_examples and all(Staging.fits(owner.placement, t, STEP_STAGE_MAX_BYTES) for t in batch_examples):
+        if batch_examples and all(Staging.fits(owner.placement, t) for t in batch_examples):
             rows = owner.local_devices * owner.accumulate_steps
             full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in batch_examples]
             try:

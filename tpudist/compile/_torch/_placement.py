@@ -84,17 +84,7 @@ class Placement:
         return [s.data for s in sorted(shards, key=lambda s: s.index[0].start or 0)]
 
 
-STAGE_MAX_BYTES = 256 * 1024  # per process and leaf; larger inputs cross by import (no copy)
-# The fused step's batches: smaller. A staged step waits for the step that last read its set
-# before writing it again; once the host is RUN_AHEAD steps ahead that is one wait a step, after
-# which the thread's next work runs on cold caches. A larger batch is copied into a buffer of its
-# own and imported, and the host never waits. Measured on the transformer block's 256 KiB batch,
-# both kinds of step in one process (blocks of 30 steps of each alternating, 20 times, three
-# processes): staged, 1.05-1.08x the same step given its batch on the devices, the calling thread
-# spending 303-372 us of CPU a step; copied, 0.96-1.02x and 136-168 us. A compiled module's call
-# waits for its result anyway, and its inputs keep the larger limit: imported instead, the block's
-# loss-inside call was 1.03-1.09x slower (two processes).
-STEP_STAGE_MAX_BYTES = 64 * 1024
+STAGE_MAX_BYTES = 256 * 1024  # per process and leaf; larger inputs cross by import
 
 
 class Staging:
