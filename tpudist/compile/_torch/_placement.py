@@ -118,11 +118,11 @@ class Staging:
         self._next = 0
 
     @staticmethod
-    def fits(placement: Placement, t: Any, limit: int = STAGE_MAX_BYTES) -> bool:
+    def fits(placement: Placement, t: Any) -> bool:
         # not 0-d (a 0-d NumPy host array imports as shape (1,)) nor bfloat16 (no torch view of
         # NumPy's): those cross by import
         return (placement.cpu and isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
-                and t.numel() * t.element_size() <= limit and t.dtype != torch.bfloat16
+                and t.numel() * t.element_size() <= STAGE_MAX_BYTES and t.dtype != torch.bfloat16
                 and _np_dtype(t.dtype) is not None)
 
     def put(self, tensors: list[torch.Tensor]) -> tuple[list[jax.Array], int]:
