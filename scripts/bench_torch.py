@@ -20,8 +20,11 @@ compiled/JAX. A second table puts the compiled forward+backward against torch's 
 the same caller code around a module that computes nothing (`scripts/_autograd_floor.py`: the
 module call, the loss, the autograd engine, a fresh `.grad` per parameter), alone ('floor') and
 right after JAX's forward+backward waited for ('reach': the least any bridge that keeps torch's
-autograd driving can cost, its host work run after an executable as it must be). Each side's time is the median over `--repeats` runs of `--steps` steps (a run ends
-when its last result is ready), the sides interleaved run by run.
+autograd driving can cost, its host work run after an executable as it must be). A third table
+gives each side's CPU per step: the calling thread's (the host's work: launching, staging a
+batch, torch's share) and the whole process's (with XLA's threads), which other tenants of a
+shared machine move less than wall time. Each side's time is the median over `--repeats` runs of
+`--steps` steps (a run ends when its last result is ready), the sides interleaved run by run.
 
 `--hf` adds third-party models as users bring them, from `transformers` configs (random
 weights): ResNet-18 (`ResNetForImageClassification`, batch 4 x 3 x 64 x 64) and BERT-tiny (2 layers,
@@ -184,25 +187,28 @@ def bench_model(name: str, batch: int, steps: int, repeats: int, warmup: int,
 
 
 def _median_times(sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], steps: int,
-                  repeats: int) -> dict[str, float]:
+                  repeats: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Median seconds per step of each side (step function, wait-for-its-result), over `repeats`
     runs of `steps` steps; the sides alternate run by run, in an order shuffled each round (a side
-    always timed right after the same one would carry that one's after-effects, see _settle)."""
+    always timed right after the same one would carry that one's after-effects, see _settle).
+    Also the median CPU seconds per step of the calling thread and of the whole process: less
+    moved than wall time by other tenants of a shared machine."""
     import random
     import statistics
-    runs: dict[str, list[float]] = {side: [] for side in sides}
+    runs: dict[str, list[tuple[float, float, float]]] = {side: [] for side in sides}
     order, shuffle = list(sides), random.Random(0).shuffle
     for _ in range(repeats):
         shuffle(order)
         for side in order:
             step, wait = sides[side]
             _settle(step, wait)
-            start = time.perf_counter()
+            start, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
             for _ in range(steps):
                 out = step()
             wait(out)
-            runs[side].append((time.perf_counter() - start) / steps)
-    return {side: statistics.median(times) for side, times in runs.items()}
+            runs[side].append(((time.perf_counter() - start) / steps, (time.thread_time() - thread) / steps,
+                               (time.process_time() - process) / steps))
+    return tuple({side: statistics.median(r[k] for r in rs) for side, rs in runs.items()} for k in range(3))
 
 
 def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, Any]:
@@ -299,9 +305,13 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     for _ in range(warmup):
         for step, wait in sides.values():
             wait(step())
-    times = _median_times(sides, steps, repeats)
+    times, thread_cpu, process_cpu = _median_times(sides, steps, repeats)
     row = {"model": name, "batch": ref.batch_size, "params": sum(p.numel() for p in model.parameters()),
            **{f"{side}_ms": t * 1e3 for side, t in times.items()},
+           # the host's work per step: the calling thread's CPU (launching, staging, torch's share)
+           # and the process's (with XLA's threads running the executables)
+           **{f"{side}_thread_cpu_us": t * 1e6 for side, t in thread_cpu.items()},
+           **{f"{side}_cpu_ms": t * 1e3 for side, t in process_cpu.items()},
            "fused_over_jax": times["fused_step"] / times["jax_step"],
            "fused_device_over_jax": times["fused_step_device"] / times["jax_step"],
            "eager_over_jax": times["eager_step"] / times["jax_step"],
@@ -315,6 +325,8 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
            "reachable_over_jax": times["reach_fb"] / times["jax_fb"],
            "reachable_loss_over_jax": times["reach_loss_fb"] / times["jax_fb"],
            "eager_fb_over_jax": times["eager_fb"] / times["jax_fb"],
+           "fused_cpu_over_jax": process_cpu["fused_step"] / process_cpu["jax_step"],
+           "fused_device_cpu_over_jax": process_cpu["fused_step_device"] / process_cpu["jax_step"],
            "first_call_s": first, "torch_threads": torch.get_num_threads()}
     assert fused.stats.compiles == 1 and compiled.stats.compiles == 1 and with_loss.stats.compiles == 1, \
         (fused.stats, compiled.stats, with_loss.stats)
@@ -323,12 +335,14 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
 
 def _columns(title: str, columns: list[tuple[str, str, int, str]], rows: list[dict[str, Any]]) -> str:
     """A text table: each column (header, row key, width, format), the format "s" (left-aligned
-    text), "d" (an integer), "ms" (3 decimals) or "x" (a ratio, 2 decimals and an x)."""
+    text), "d" (an integer), "ms" (3 decimals), "us" (none) or "x" (a ratio, 2 decimals and an x)."""
     def cell(value: Any, width: int, form: str) -> str:
         if form == "s":
             return f"{value:<{width}}"
         if form == "x":
             return f"{value:>{width - 1}.2f}x"
+        if form == "us":
+            return f"{value:>{width}.0f}"
         return f"{value:>{width}d}" if form == "d" else f"{value:>{width}.3f}"
     header = "".join(f"{name:<{width}}" if form == "s" else f"{name:>{width}}" for name, _, width, form in columns)
     lines = [title, header, "-" * len(header)]
@@ -364,6 +378,20 @@ def _floor_table(rows: list[dict[str, Any]]) -> str:
          ("+loss", "floor_loss_over_jax", 8, "x"), ("reach/jax", "reachable_over_jax", 10, "x"),
          ("+loss", "reachable_loss_over_jax", 8, "x"), ("compiled/jax", "compiled_over_jax", 13, "x"),
          ("+loss", "compiled_loss_over_jax", 8, "x")], rows)
+
+
+def _host_table(rows: list[dict[str, Any]]) -> str:
+    return _columns(
+        "CPU per step (median): 'thread' is the calling thread's, in us (the host's work: launching, "
+        "staging a batch, torch's share), 'process' all threads', in ms (with XLA's running the "
+        "executables); less moved than wall time by other tenants of a shared machine",
+        [("model", "model", 12, "s"), ("thread: fused", "fused_step_thread_cpu_us", 14, "us"),
+         ("on dev", "fused_step_device_thread_cpu_us", 8, "us"), ("jax", "jax_step_thread_cpu_us", 6, "us"),
+         ("compiled+loss", "compiled_loss_fb_thread_cpu_us", 14, "us"),
+         ("reach+loss", "reach_loss_fb_thread_cpu_us", 11, "us"),
+         ("process: fused", "fused_step_cpu_ms", 15, "ms"), ("on dev", "fused_step_device_cpu_ms", 8, "ms"),
+         ("jax", "jax_step_cpu_ms", 8, "ms"), ("fused/jax", "fused_cpu_over_jax", 10, "x"),
+         ("dev/jax", "fused_device_cpu_over_jax", 9, "x")], rows)
 
 
 def _draw(json_path: Path, rows: list[dict[str, Any]], jax_rows: list[dict[str, Any]]) -> str:
@@ -645,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if jax_rows:
         print(_jax_table(jax_rows))
         print(_floor_table(jax_rows))
+        print(_host_table(jax_rows))
     if args.json and (rows or jax_rows):
         print(f"picture: {_draw(args.json, rows, jax_rows)}", file=sys.stderr)
     if dp_rows:

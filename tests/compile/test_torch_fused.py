@@ -594,3 +594,20 @@ def test_a_batch_refilled_in_place_after_each_call_trains_as_in_eager_torch(rows
     want = eager_train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), data)
     np.testing.assert_allclose([float(loss) for loss in losses], want, rtol=1e-5)
     assert_same_state(model, reference)
+
+
+def test_small_batches_refilled_while_the_device_lags_train_as_in_eager_torch():
+    """Small batches are copied into a few reused buffer sets; with the host steps ahead of a slow
+    device, every set is written again while later steps are still queued: the host must not
+    overwrite a set before the step that reads it has run."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 512, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(24)]
+    torch.manual_seed(0)
+    # ~1 ms of device work a step against ~0.1 ms of host work: the host runs ahead
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 4))
+    reference = copy.deepcopy(model)
+    step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.05))
+    losses = [step(batch) for batch in _refilled(data, torch.empty(16, 512), torch.empty(16, dtype=torch.long))]
+    want = eager_train(reference, torch.optim.SGD(reference.parameters(), lr=0.05), data)
+    np.testing.assert_allclose([float(loss) for loss in losses], want, rtol=1e-5)
+    assert_same_state(model, reference, atol=1e-5)
