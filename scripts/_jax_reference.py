@@ -241,5 +241,19 @@ def jax_steps(model: Model) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return jax.jit(train, donate_argnums=(0, 1, 2)), jax.jit(forward_backward)
 
 
+def jax_split(model: Model) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(forward, backward) of the hand-written model as two jitted executables, as code whose loss
+    is computed between them must run: forward (params, state, x, y) -> (loss, vjp, new state),
+    keeping what the backward needs (the VJP's residuals) as outputs; backward (vjp, cotangent)
+    -> (gradients,)."""
+    def forward(params: Any, state: Any, x: Any, y: Any) -> Any:
+        return jax.vjp(lambda p: model.jax_loss(p, state, x, y), params, has_aux=True)
+
+    def backward(vjp: Any, cotangent: Any) -> Any:
+        return vjp(cotangent)
+
+    return jax.jit(forward), jax.jit(backward)
+
+
 def optimizer_init(params: Any) -> Any:
     return optax.sgd(LR, momentum=MOMENTUM).init(params)

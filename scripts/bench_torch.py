@@ -20,7 +20,10 @@ compiled/JAX. A second table puts the compiled forward+backward against torch's 
 the same caller code around a module that computes nothing (`scripts/_autograd_floor.py`: the
 module call, the loss, the autograd engine, a fresh `.grad` per parameter), alone ('floor') and
 right after JAX's forward+backward waited for ('reach': the least any bridge that keeps torch's
-autograd driving can cost, its host work run after an executable as it must be). A third table
+autograd driving can cost, its host work run after an executable as it must be), and around
+JAX's forward and backward as two executables, each waited for inside the module's forward and
+backward ('reach split': the least for a bridge whose caller computes the loss in torch between
+the two). A third table
 gives each side's CPU per step: the calling thread's (the host's work: launching, staging a
 batch, torch's share) and the whole process's (with XLA's threads), which other tenants of a
 shared machine move less than wall time. Each side's time is the median over `--repeats` runs of
@@ -237,6 +240,14 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
         raise AssertionError(f"{name}: the JAX port's loss {jax_loss} != torch's {torch_loss}")
     held = [params, state, jr.optimizer_init(params)]
     fb_params, fb_state = ref.params_from(model)
+    split_forward, split_backward = jr.jax_split(ref)
+    one, split_held = jax.device_put(np.float32(1.0)), []
+
+    def jax_forward() -> None:  # the split's two executables, each waited for where a bridge waits
+        split_held[:] = [jax.block_until_ready(split_forward(fb_params, fb_state, x, y))[1]]
+
+    def jax_backward() -> Any:
+        return jax.block_until_ready(split_backward(split_held.pop(), one))
 
     def jax_step() -> Any:
         new_params, new_state, new_opt, loss = train(*held, x, y)
@@ -261,6 +272,7 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
     with torch.no_grad():
         logits = copy.deepcopy(model)(*inputs)
         floor, floor_loss = Floor(floor_model, logits), Floor(floor_model, F.cross_entropy(logits, target))
+        floor_split = Floor(floor_model, logits, run_forward=jax_forward, run_backward=jax_backward)
     floor_params = list(floor_model.parameters())
 
     def fb(module: torch.nn.Module, params: list, loss_inside: bool = False) -> Callable[[], Any]:
@@ -294,6 +306,10 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
              # as it will be (caches cold: docs/torch.md)
              "reach_fb": (after_jax(fb(floor, floor_params)), nothing),
              "reach_loss_fb": (after_jax(fb(floor_loss, floor_params, loss_inside=True)), nothing),
+             # the loss in torch between forward and backward splits them: JAX's split, each half
+             # waited for where the bridge's runs, inside the floor
+             "reach_split_fb": (fb(floor_split, floor_params), nothing),
+             "jax_fb_split": (lambda: (jax_forward(), jax_backward()), nothing),
              "jax_fb": (lambda: forward_backward(fb_params, fb_state, x, y), ready),
              # the same, waited for call by call as a torch caller must (its loss is a real tensor)
              "jax_fb_waited": (lambda: jax.block_until_ready(forward_backward(fb_params, fb_state, x, y)), nothing)}
@@ -324,6 +340,8 @@ def bench_vs_jax(name: str, steps: int, repeats: int, warmup: int) -> dict[str, 
            "floor_loss_over_jax": times["floor_loss_fb"] / times["jax_fb"],
            "reachable_over_jax": times["reach_fb"] / times["jax_fb"],
            "reachable_loss_over_jax": times["reach_loss_fb"] / times["jax_fb"],
+           "reachable_split_over_jax": times["reach_split_fb"] / times["jax_fb"],
+           "compiled_over_reachable_split": times["compiled_fb"] / times["reach_split_fb"],
            "eager_fb_over_jax": times["eager_fb"] / times["jax_fb"],
            "fused_cpu_over_jax": process_cpu["fused_step"] / process_cpu["jax_step"],
            "fused_device_cpu_over_jax": process_cpu["fused_step_device"] / process_cpu["jax_step"],
@@ -371,13 +389,16 @@ def _floor_table(rows: list[dict[str, Any]]) -> str:
         "compiled forward+backward against torch's own share, ms (median): 'floor' is the same caller code "
         "around a module that computes nothing (scripts/_autograd_floor.py), loss in torch / '+loss' inside "
         "the module; 'reach' is JAX's forward+backward waited for, then that floor: the least a bridge that "
-        "keeps torch's autograd driving can reach",
+        "keeps torch's autograd driving can reach; 'split' is JAX's forward and backward as two executables "
+        "and 'reach split' the floor running them, each waited for where a bridge that computes the loss in "
+        "torch between them runs its own",
         [("model", "model", 12, "s"), ("jax fb", "jax_fb_ms", 9, "ms"), ("waited", "jax_fb_waited_ms", 9, "ms"),
-         ("floor", "floor_fb_ms", 9, "ms"), ("+loss", "floor_loss_fb_ms", 9, "ms"), ("reach", "reach_fb_ms", 9, "ms"),
-         ("+loss", "reach_loss_fb_ms", 9, "ms"), ("floor/jax", "floor_over_jax", 10, "x"),
-         ("+loss", "floor_loss_over_jax", 8, "x"), ("reach/jax", "reachable_over_jax", 10, "x"),
-         ("+loss", "reachable_loss_over_jax", 8, "x"), ("compiled/jax", "compiled_over_jax", 13, "x"),
-         ("+loss", "compiled_loss_over_jax", 8, "x")], rows)
+         ("split", "jax_fb_split_ms", 9, "ms"), ("floor", "floor_fb_ms", 9, "ms"), ("+loss", "floor_loss_fb_ms", 9, "ms"),
+         ("reach", "reach_fb_ms", 9, "ms"), ("+loss", "reach_loss_fb_ms", 9, "ms"),
+         ("reach split", "reach_split_fb_ms", 12, "ms"), ("reach/jax", "reachable_over_jax", 10, "x"),
+         ("+loss", "reachable_loss_over_jax", 8, "x"), ("split", "reachable_split_over_jax", 8, "x"),
+         ("compiled/jax", "compiled_over_jax", 13, "x"), ("+loss", "compiled_loss_over_jax", 8, "x"),
+         ("compiled/reach split", "compiled_over_reachable_split", 21, "x")], rows)
 
 
 def _host_table(rows: list[dict[str, Any]]) -> str:

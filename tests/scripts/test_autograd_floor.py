@@ -49,3 +49,23 @@ def test_the_floor_goes_through_torch_autograd_like_a_compiled_call_without_the_
         assert [g.shape for g in grads] == [p.shape for p in model.parameters()]
         assert all(g.dtype == p.dtype for g, p in zip(grads, model.parameters()))
         assert len({g.data_ptr() for g in grads}) == len(grads)  # one gradient each, none shared
+
+
+def test_the_split_floor_runs_its_forward_in_the_call_and_its_backward_in_backward():
+    """`run_forward` / `run_backward` stand where a bridge that splits forward and backward runs
+    its two executables: one each per step, the forward's before the caller's loss, the
+    backward's while torch's engine runs `backward()`."""
+    torch.manual_seed(0)
+    model = _Refuses()
+    logits, target = torch.randn(4, 3), torch.tensor([0, 2, 1, 2])
+    events: list[str] = []
+    floor = Floor(model, logits, run_forward=lambda: events.append("forward"),
+                  run_backward=lambda: events.append("backward"))
+    for step in range(2):
+        out = floor(torch.randn(4, 6))
+        events.append("loss")
+        loss = F.cross_entropy(out, target)
+        assert events[-2:] == ["forward", "loss"]
+        loss.backward()
+        assert events == ["forward", "loss", "backward"] * (step + 1)
+        assert all(p.grad is not None for p in model.parameters())
