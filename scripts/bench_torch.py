@@ -23,11 +23,11 @@ right after JAX's forward+backward waited for ('reach': the least any bridge tha
 autograd driving can cost, its host work run after an executable as it must be), and around
 JAX's forward and backward as two executables, each waited for inside the module's forward and
 backward ('reach split': the least for a bridge whose caller computes the loss in torch between
-the two). A third table
-gives each side's CPU per step: the calling thread's (the host's work: launching, staging a
-batch, torch's share) and the whole process's (with XLA's threads), which other tenants of a
-shared machine move less than wall time. Each side's time is the median over `--repeats` runs of
-`--steps` steps (a run ends when its last result is ready), the sides interleaved run by run.
+the two). A third table gives each side's CPU per step: the calling thread's (the host's work:
+launching, staging a batch, torch's share) and the whole process's (with XLA's threads), which
+other tenants of a shared machine move less than wall time. Each side's time is the median over
+`--repeats` runs of `--steps` steps (a run ends when its last result is ready), the sides
+interleaved run by run.
 
 `--hf` adds third-party models as users bring them, from `transformers` configs (random
 weights): ResNet-18 (`ResNetForImageClassification`, batch 4 x 3 x 64 x 64) and BERT-tiny (2 layers,
