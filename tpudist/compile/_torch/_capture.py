@@ -29,7 +29,14 @@ from torch.utils._pytree import tree_flatten
 
 from tpudist.compile._torch._custom_ops import ATTENTION, COLLECTIVE_OPS, STOP_GRADIENT
 from tpudist.compile._torch._outputs import FlatOutputs, Template
-from tpudist.compile._torch._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup, unsupported_message
+from tpudist.compile._torch._registry import (
+    IGNORED_OPS,
+    UnsupportedOpError,
+    is_random,
+    lookup,
+    torch_decompositions,
+    unsupported_message,
+)
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 # one cheap check before the per-device ones (read before every step); torch's own, where it has it
@@ -80,7 +87,9 @@ class Captured:
 @functools.lru_cache(maxsize=1)
 def _decompositions() -> Any:
     # building the table costs ~0.4 s per export when left to run_decompositions()
-    return torch.export.default_decompositions()
+    table = torch.export.default_decompositions()
+    table.update(torch_decompositions())
+    return table
 
 
 def autocast_state() -> tuple:

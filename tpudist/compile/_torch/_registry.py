@@ -51,6 +51,8 @@ class Lowering:
 
 
 _REGISTRY: dict[Any, Lowering] = {}
+# ops left to torch's own decomposition (torch._decomp), beyond torch.export's core-ATen table
+_DECOMPOSED: set[Any] = set()
 
 
 def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
@@ -68,6 +70,24 @@ def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
             _REGISTRY[op] = Lowering(op, fn, random, input_meta)
         return fn
     return decorate
+
+
+def decompose_with_torch(*ops: Any) -> None:
+    """Marks ATen overloads that capture decomposes with torch's own decomposition (from
+    `torch._decomp`) instead of lowering them: for ops whose torch decomposition is exact and
+    lowers to supported ops (e.g. `addbmm` into `bmm` and a sum)."""
+    from torch._decomp import decomposition_table
+    for op in ops:
+        assert op in decomposition_table, f"torch has no decomposition of {op}"
+        assert op not in _REGISTRY, f"{op} is both lowered and decomposed"
+        _DECOMPOSED.add(op)
+
+
+def torch_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions `decompose_with_torch` asked for, as a table for run_decompositions."""
+    from torch._decomp import decomposition_table
+    _load_families()
+    return {op: decomposition_table[op] for op in _DECOMPOSED}
 
 
 def is_random(node: Any) -> bool:
