@@ -8,11 +8,20 @@ fails whatever the table says. After a change to the lowerings:
     TPUDIST_OPINFO_UPDATE=1 ./scripts/test tests/compile/test_opinfo.py
 
 rewrites the table (the rows run) and the tables generated from it in docs/torch.md and docs/ops.md.
+
+The checks run in `TPUDIST_OPINFO_WORKERS` processes (default: one per core, at most 2), started
+when the module starts and fed one OpInfo at a time; each test waits for its own OpInfo's result.
+A check is a capture and two or three XLA compilations, single-threaded for the most part, so two
+processes halve the module's time on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +30,8 @@ import opinfo_harness as harness  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 UPDATE = os.environ.get("TPUDIST_OPINFO_UPDATE") == "1"
+WORKERS = int(os.environ.get("TPUDIST_OPINFO_WORKERS", min(2, os.cpu_count() or 1)))
+RESULT_TIMEOUT = 600  # seconds a test waits for its OpInfo's result (the workers may be busy with others first)
 OPS = harness.opinfos()
 EXPECTED = harness.read_table() if harness.TABLE.exists() else {}
 _observed: dict[str, dict[str, str]] = {}
@@ -42,9 +53,30 @@ def _write_docs(table: dict[str, dict[str, str]]) -> None:
     (harness.DOCS / "ops.md").write_text(harness.render_full(table))
 
 
+def _start_worker(path: str) -> None:
+    sys.path.insert(0, path)
+
+
+def _check(name: str) -> dict[str, str]:
+    import opinfo_harness
+    return opinfo_harness.check(opinfo_harness.opinfos()[name])
+
+
+@pytest.fixture(scope="module")
+def results(request):
+    """Futures of every selected OpInfo's outcome, computed by the worker processes in test order."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params]
+    pool = concurrent.futures.ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_start_worker, initargs=(str(Path(__file__).parent),))
+    futures = {name: pool.submit(_check, name) for name in names}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_opinfo(name):
-    outcome = harness.check(OPS[name])
+def test_opinfo(name, results):
+    outcome = results[name].result(timeout=RESULT_TIMEOUT)
     _observed[name] = outcome
     wrong = [f"{stage}: {value}" for stage, value in outcome.items() if value.startswith("WRONG")]
     assert not wrong, f"{name}: a wrong value without an error: {wrong}"

@@ -478,7 +478,23 @@ def on_rank() -> dict:
     step = tpudist.compile_train_step(model, mean_output, torch.optim.SGD(model.parameters(), lr=1.0))
     step((torch.ones(DEVICES, 64), torch.zeros(DEVICES)))
     out["dropout_update"] = model.state_dict()["w"].numpy().copy()
+    # JAX's binomial sampler cannot run with a per-device key: an error, not a wrong draw
+    model = Binomial()
+    step = tpudist.compile_train_step(model, mean_output, torch.optim.SGD(model.parameters(), lr=1.0))
+    try:
+        step((torch.ones(DEVICES, 4), torch.zeros(DEVICES)))
+    except tpudist.UnsupportedOpError as exc:
+        out["binomial_error"] = str(exc)
     return out
+
+
+class Binomial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.w * torch.binomial(torch.full_like(x, 3.0), x / 2)
 
 
 @pytest.fixture(scope="module")
@@ -520,6 +536,11 @@ def test_dropout_masks_differ_across_devices_and_processes(ranks):
     assert levels <= {0.0, 0.5, 1.0, 1.5, 2.0} and levels & {0.5, 1.0, 1.5}, levels
 
 
+def test_a_random_op_jax_cannot_draw_per_device_is_an_error_on_every_rank(ranks):
+    for rank in ranks:
+        assert "aten.binomial" in rank.get("binomial_error", "") and "outside the step" in rank["binomial_error"]
+
+
 def test_torch_example_trains_through_the_launcher():
     """examples/train_torch.py: tpudist.fit with a ShardedEmbedding model, 2 processes started by
     the real launcher (local mode: no SSH needed)."""
@@ -541,10 +562,28 @@ def test_torch_example_trains_through_the_launcher():
     assert "Warning" not in done.stderr.replace("[Gloo]", ""), done.stderr
 
 
+@torch.library.custom_op("tpudist_test::log_gamma", mutates_args=())
+def _log_gamma(x: torch.Tensor) -> torch.Tensor:
+    """A user's own op (a custom kernel), differentiable in torch, with no lowering."""
+    return torch.lgamma(x)
+
+
+@_log_gamma.register_fake
+def _log_gamma_fake(x):
+    return torch.empty_like(x)
+
+
+def _log_gamma_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+_log_gamma.register_autograd(lambda ctx, g: g * torch.digamma(ctx.saved_tensors[0]), setup_context=_log_gamma_context)
+
+
 def test_fit_names_eager_step_when_the_model_cannot_be_compiled():
-    class LogGamma(nn.Module):  # aten.lgamma: differentiable in torch, not in the op registry
+    class LogGamma(nn.Module):
         def forward(self, x):
-            return torch.lgamma(x.abs() + 1.0)
+            return _log_gamma(x.abs() + 1.0)
 
     def build():
         torch.manual_seed(0)
@@ -557,7 +596,7 @@ def test_fit_names_eager_step_when_the_model_cannot_be_compiled():
     with pytest.raises(TypeError, match="eager_step"):
         tpudist.fit(model, loader, opt, F.cross_entropy, log=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(tpudist.UnsupportedOpError, match=r"lgamma.*step_fn=tpudist.eager_step"):
+    with pytest.raises(tpudist.UnsupportedOpError, match=r"log_gamma.*step_fn=tpudist.eager_step"):
         tpudist.fit(model, loader, opt, F.cross_entropy, log=False)
     # the fallback the message names trains it, and equals eager torch
     ref = build()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -36,13 +36,22 @@ VOCAB, BATCH, SEQ, IMAGE, LABELS = 64, 4, 8, 32, 3
 @dataclasses.dataclass(frozen=True)
 class Entry:
     build: Callable[[dict], torch.nn.Module]   # config overrides -> model
-    kind: str                                  # "classify" | "causal" | "seq2seq" | "image"
+    kind: str                                  # "classify" | "causal" | "masked" | "seq2seq" | "image" | "segment"
     no_dropout: dict                           # config overrides that turn every dropout off
     has_dropout: bool = True                   # whether the default config drops out at all
 
 
 def _text(config_cls, model_cls, **base):
     return lambda extra: model_cls(config_cls(**{**base, **extra}))
+
+
+def _checkpointed(build, reentrant):
+    """The model with `transformers`' gradient checkpointing on (torch.utils.checkpoint per layer)."""
+    def make(extra):
+        model = build(extra)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model
+    return make
 
 
 ZOO = {
@@ -81,6 +90,32 @@ ZOO = {
     "mobilenet_v2": Entry(_text(T.MobileNetV2Config, T.MobileNetV2ForImageClassification, image_size=IMAGE,
                                 depth_multiplier=0.25, num_labels=LABELS), "image",
                           dict(classifier_dropout_prob=0.0)),
+    "mixtral": Entry(_text(T.MixtralConfig, T.MixtralForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                           max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+                           attention_dropout=0.1, router_jitter_noise=0.05), "causal",
+                     dict(attention_dropout=0.0, router_jitter_noise=0.0)),
+    "segformer": Entry(_text(T.SegformerConfig, T.SegformerForSemanticSegmentation, num_encoder_blocks=2,
+                             depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2],
+                             num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=16,
+                             num_labels=LABELS, drop_path_rate=0.1), "segment",
+                       dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+                            drop_path_rate=0.0)),
+    "swin": Entry(_text(T.SwinConfig, T.SwinForImageClassification, image_size=IMAGE, patch_size=4, embed_dim=16,
+                        depths=[2, 2], num_heads=[2, 2], window_size=4, num_labels=LABELS, drop_path_rate=0.2),
+                  "image", dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)),
+    "gpt2_checkpointed": Entry(_checkpointed(_text(T.GPT2Config, T.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=32,
+                                                   n_layer=2, n_head=2, n_positions=32, bos_token_id=0,
+                                                   eos_token_id=0), reentrant=True), "causal",
+                               dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "bert_checkpointed": Entry(_checkpointed(_text(T.BertConfig, T.BertForSequenceClassification, vocab_size=VOCAB,
+                                                   hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                   intermediate_size=64, max_position_embeddings=32,
+                                                   num_labels=LABELS), reentrant=False), "classify",
+                               dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "mpnet": Entry(_text(T.MPNetConfig, T.MPNetForMaskedLM, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=40), "masked",
+                   dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
     "efficientnet": Entry(_text(T.EfficientNetConfig, T.EfficientNetForImageClassification, image_size=IMAGE,
                                 width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128,
                                 num_labels=LABELS), "image",
@@ -93,12 +128,15 @@ def make_batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
     if kind == "image":
         return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
                 "labels": torch.randint(0, LABELS, (BATCH,), generator=g)}
+    if kind == "segment":  # a class per pixel
+        return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
+                "labels": torch.randint(0, LABELS, (BATCH, IMAGE, IMAGE), generator=g)}
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
     mask[0, -3:] = 0  # one padded sequence: the attention mask matters
     if kind == "classify":
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, LABELS, (BATCH,), generator=g)}
-    if kind == "causal":
+    if kind in ("causal", "masked"):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids}
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(1, VOCAB, (BATCH, 5), generator=g)}
 
@@ -107,6 +145,15 @@ def build(name: str, dropout: bool = False) -> torch.nn.Module:
     entry = ZOO[name]
     torch.manual_seed(0)
     return entry.build({} if dropout else entry.no_dropout)
+
+
+def as_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of `model`, the reference. Mixture-of-experts layers run their per-expert loop
+    ("eager" experts): torch's grouped matmul, their default, has no float64 kernel."""
+    exact = copy.deepcopy(model).double()
+    if getattr(exact.config, "_experts_implementation", None) not in (None, "eager"):
+        exact.set_experts_implementation("eager")
+    return exact
 
 
 def as_double(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -125,6 +172,13 @@ def assert_as_accurate(what: str, got: torch.Tensor, eager: torch.Tensor, exact:
                                         f"{floor:.2e} (norm of the result {float(exact.norm()):.2e})")
 
 
+def _tied(model: torch.nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(pname)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -134,7 +188,7 @@ def test_forward_and_gradients_match_eager(name):
     entry = ZOO[name]
     model = build(name)
     model.train()
-    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    eager, exact = copy.deepcopy(model), as_float64(model)
     batch = make_batch(entry.kind, 1)
     compiled = tpudist.compile(model)
     out = compiled(**batch)
@@ -158,7 +212,7 @@ def test_forward_and_gradients_match_eager(name):
 def test_three_fused_steps_match_eager_torch_optim(name):
     entry = ZOO[name]
     model = build(name)
-    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    eager, exact = copy.deepcopy(model), as_float64(model)
     # a rate at which every model descends: where the loss climbs (MobileNetV2 at 0.05: 1.0 -> 4.0 -> 6.1)
     # rounding differences grow ~200x a step, and the comparison measures luck, not the bridge
     make = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)
@@ -177,6 +231,9 @@ def test_three_fused_steps_match_eager_torch_optim(name):
         assert_as_accurate(f"{name} loss of step {i + 1}", loss, *losses)
     # state_dict(): the door through which torch sees the values the step keeps on the devices
     got, eager_state, exact_state = model.state_dict(), eager.state_dict(), exact.state_dict()
+    assert name != "mpnet" or _tied(eager), "MPNet's output projection is no longer tied to its embeddings"
+    for names in _tied(eager):  # parameters tied in eager torch (one tensor, several names) stay one tensor
+        assert all(torch.equal(got[names[0]], got[n]) for n in names[1:]), f"{name}: the tie {names} broke"
     assert got.keys() == eager_state.keys()
     for key, value in got.items():
         if value.is_floating_point():

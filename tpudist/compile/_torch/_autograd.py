@@ -45,8 +45,12 @@ class XlaFunction(torch.autograd.Function):
         call.first = primal[0]
         ctx.packing = call.program.packing(call.diff, call.arrays)
         call.arrays = None  # drop the input views: only the VJP's residuals stay alive
-        ctx.vjp, ctx.program = vjp, call.program
+        ctx.vjp, ctx.program, ctx.diff = vjp, call.program, call.diff
         ctx.input_dtypes = [t.dtype for t in diff_tensors]
+        # outputs the loss does not use come back as None (not zeros): the inputs only they reach
+        # get no gradient, as in eager torch
+        ctx.set_materialize_grads(False)
+        ctx.output_like = [(a.shape, dtype) for a, dtype in zip(primal, call.program.float_output_dtypes)]
         # saved only for torch's version check: stepping the optimizer between this forward and
         # its backward must fail as loudly as it does in eager torch
         ctx.save_for_backward(*diff_tensors)
@@ -61,4 +65,9 @@ class XlaFunction(torch.autograd.Function):
             raise RuntimeError("torch -> XLA: a second backward through the same compiled forward; its "
                                "residuals are freed by the first (retain_graph=True is not supported). "
                                "Run the compiled module again, or sum the losses and call backward once.")
-        return (None, *ctx.program.backward(vjp, list(grads), ctx.packing, ctx.input_dtypes))
+        used = tuple(i for i, g in enumerate(grads) if g is not None)
+        grads = [g if g is not None else torch.zeros(shape, dtype=dtype)
+                 for g, (shape, dtype) in zip(grads, ctx.output_like)]
+        results = ctx.program.backward(vjp, grads, ctx.packing, ctx.input_dtypes)
+        reached = ctx.program.reached(ctx.diff, used)
+        return (None, *(g if keep else None for g, keep in zip(results, reached)))

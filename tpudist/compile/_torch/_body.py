@@ -81,7 +81,9 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
     def body(params, fixed, updated, states, counts, hyper, batch, rng, signal):
         if random:
             key, next_key = jax.random.split(jax.random.wrap_key_data(rng))
-            key, rng = jax.random.fold_in(key, lax.axis_index(AXIS)), jax.random.key_data(next_key)
+            rng = jax.random.key_data(next_key)
+            if collective:  # each device its own draws; one device keeps the key replicated, as its outputs are
+                key = jax.random.fold_in(key, lax.axis_index(AXIS))
         else:
             key = None
         # differentiate each device's own loss: marked as varying over the axis, a replicated

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils._pytree import tree_flatten
 
+from tpudist.compile._torch import _custom_grad, _custom_vjp
 from tpudist.compile._torch._custom_ops import ATTENTION, COLLECTIVE_OPS, STOP_GRADIENT
 from tpudist.compile._torch._outputs import FlatOutputs, Template
 from tpudist.compile._torch._registry import (
@@ -56,7 +56,7 @@ class InputSlot:
     name: str                 # parameter / buffer FQN, constant name, or the user input's position
     leaf: int = -1            # for 'input': index into the flattened (args, kwargs) leaves
     value: Any = None         # for 'literal' (a non-tensor user input, specialized by export)
-    used: bool = True         # whether any op reads it (unused params get no gradient, as in torch)
+    used: bool = True         # whether a gradient reaches it (others get none, as in torch; see _gradient_reach)
     mutated: bool = False     # whether the graph writes it back (buffers, inputs)
 
 
@@ -82,13 +82,19 @@ class Captured:
     collective: bool = False  # holds ops that reach other processes (ShardedEmbedding's lookup)
     seconds: float = 0.0
     op_counts: dict[str, int] = field(default_factory=dict)
+    # per floating user output (in output order): the tensor inputs (positions among the graph's
+    # non-literal inputs) its gradient reaches
+    reaches: list[frozenset[int]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=1)
 def _decompositions() -> Any:
     # building the table costs ~0.4 s per export when left to run_decompositions()
     table = torch.export.default_decompositions()
-    table.update(torch_decompositions())
+    extra, kept = torch_decompositions()
+    table.update(extra)
+    for op in kept:
+        table.pop(op, None)
     return table
 
 
@@ -107,8 +113,12 @@ def _autocast(state: tuple) -> Any:
     return stack
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "") -> Captured:
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
+            torch_autograd: bool = True) -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
+
+    `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
+    graph, so gradient hooks on parameters, which only it calls, are an error.
 
     Raises CaptureError when torch.export cannot trace the forward or decompose it, and
     UnsupportedOpError (naming the op and its module path) when the graph holds an op the registry
@@ -117,12 +127,24 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
     start = time.perf_counter()
     autocast = autocast_state()
     flat = FlatOutputs(module, context=lambda: _autocast(autocast))
-    with torch.enable_grad(), warnings.catch_warnings():
+    _check_layouts(module, args, kwargs, where)
+    try:
+        _custom_grad.check_backward_hooks(module)
+        if not torch_autograd:  # (the fused step captures its objective, which holds the user's model)
+            _custom_grad.check_parameter_hooks(getattr(module, "model", module))
+    except _custom_grad.CustomGradError as exc:
+        raise _custom_grad_error(exc, where) from None
+    with torch.enable_grad(), warnings.catch_warnings(), _custom_grad.intercepted():
         # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # the forward enters the autocast itself: one around torch.export is not traced
-            program = torch.export.export(flat, args, kwargs, strict=False)
+            with torch.fx.traceback.preserve_node_meta():  # keeps checkpoint regions' marks (see _custom_grad)
+                program = torch.export.export(flat, args, kwargs, strict=False)
+        except _custom_grad.CustomGradError as exc:
+            raise _custom_grad_error(exc, where) from None
+        except CaptureError:
+            raise  # a custom Function's own capture, already explained
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
             raise CaptureError(
                 f"torch -> XLA: torch.export could not trace {type(module).__name__}.forward for inputs "
@@ -139,13 +161,50 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
                 f"torch -> XLA: torch's decomposition of {op} (in {path}) to core ATen failed: "
                 f"{type(exc).__name__}: {_first_line(exc)}. Write that part with other torch ops, or keep it "
                 f"outside the compiled module{where}.") from exc
+    program = _without_effect_tokens(program)
     graph = program.graph_module.graph
     _check_ops(graph)
+    _prepare_functions(graph, where)
     template = flat.template()
     assert template is not None, "the traced forward did not run"
     captured = _plumbing(program, template)
     captured.seconds = time.perf_counter() - start
     return captured
+
+
+def _check_layouts(module: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> None:
+    """Sparse and other non-strided tensors are refused before torch.export sees them (its fake
+    tensors abort the process on some sparse layouts)."""
+    named = [(f"input {i}", t) for i, t in enumerate(torch.utils._pytree.tree_leaves((args, kwargs)))]
+    named += [(f"'{n}'", t) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise CaptureError(f"torch -> XLA: {name} is a tensor of layout {value.layout}; XLA computes on dense "
+                               f"arrays. Pass it as .to_dense(){where}.")
+
+
+def _without_effect_tokens(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """torch.linalg's checked functions (inv, solve, cholesky, lu_factor) thread an effect token
+    through `aten._linalg_check_errors` (a `with_effects` node); unthreaded it is a plain op, lowered
+    as a no-op (a running XLA program cannot raise: a singular matrix gives inf/NaN, see docs)."""
+    if not any(n.target is torch.ops.higher_order.with_effects for n in program.graph.nodes):
+        return program
+    from torch.export._remove_effect_tokens_pass import _remove_effect_tokens  # torch's own pass (private)
+    return _remove_effect_tokens(program)
+
+
+def _custom_grad_error(exc: Exception, where: str) -> CaptureError:
+    text = str(exc)
+    # a message about a custom Function already names it; `where` would name it again
+    return CaptureError(f"torch -> XLA: {text}{'' if text.startswith('custom autograd.Function') else where}.")
+
+
+def _prepare_functions(graph: torch.fx.Graph, where: str) -> None:
+    from tpudist.compile._torch._lower import lower  # (late: _lower imports this module)
+    try:
+        _custom_vjp.prepare(graph, capture, lower)
+    except _custom_grad.CustomGradError as exc:
+        raise _custom_grad_error(exc, where) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -219,23 +278,43 @@ def _user_path(path: str) -> str | None:
     return path[len(FlatOutputs.PREFIX):] if path.startswith(FlatOutputs.PREFIX) else None
 
 
+# static-shape rewrites for ops whose output shape depends on values
+_STATIC_REWRITES = {
+    "nonzero": "torch.nonzero_static(x, size=K) (padded to a fixed K), or keep the mask and use torch.where",
+    "argwhere": "torch.nonzero_static(x, size=K) (padded to a fixed K), or keep the mask and use torch.where",
+    "masked_select": "torch.where(mask, x, 0) (or x * mask), which keeps x's shape",
+    "index": "torch.where(mask, x, 0) instead of x[mask], which keeps x's shape",
+    "unique": "a fixed-size result: F.one_hot(x, K).sum(0) (counts over a known range K), or x.sort() and a "
+              "mask of first occurrences",
+    "bincount": "F.one_hot(ids, n).sum(0) or torch.zeros(n).index_add_(0, ids, weights) for a known length n",
+    "repeat_interleave": "repeats as a Python int or list, or output_size=",
+}
+
+
 def _check_ops(graph: torch.fx.Graph) -> None:
     missing: dict[str, list[str]] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or node.target in IGNORED_OPS:
             continue
+        if _has_symbolic_shape(node.meta.get("val")):
+            # the first node whose shape depends on values is where the data-dependence starts
+            raise CaptureError(_data_dependent_message(node))
         if lookup(node.target) is None:
             missing.setdefault(str(node.target), []).append(module_path(node))
-        elif _has_symbolic_shape(node.meta.get("val")):
-            raise UnsupportedOpError(
-                f"torch -> XLA: {node.target} in {module_path(node)} produces a data-dependent shape "
-                "(e.g. x[mask] or nonzero); XLA needs static shapes. Use torch.where or masking instead.")
     if missing:
         (op, wheres), *rest = missing.items()
         message = unsupported_message(op, wheres[0])
         if rest:
             message += f" Also unsupported in this module: {', '.join(name for name, _ in rest)}."
         raise UnsupportedOpError(message)
+
+
+def _data_dependent_message(node: torch.fx.Node) -> str:
+    name = str(node.target).split(".")[1]
+    hint = next((text for key, text in _STATIC_REWRITES.items() if name.lstrip("_").startswith(key)),
+                "a static-shape form of that computation (torch.where, a mask)")
+    return (f"torch -> XLA: {node.target} in {module_path(node)} produces a data-dependent shape; XLA compiles "
+            f"for static shapes. Use {hint}, or keep that part outside the compiled module.")
 
 
 def _has_symbolic_shape(value: Any) -> bool:
@@ -252,9 +331,11 @@ def _plumbing(program: torch.export.ExportedProgram, template: Template) -> Capt
     mutated = {_strip(spec.target) if spec.kind == OutputKind.BUFFER_MUTATION else spec.target
                for spec in signature.output_specs
                if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)}
+    roots = _user_float_outputs(program, signature)
+    reach = _gradient_reach([r for r in roots if r is not None])
     inputs, leaf = [], 0
     for node, spec in zip(placeholders, signature.input_specs):
-        used = len(node.users) > 0
+        used = node in reach
         if spec.kind == InputKind.PARAMETER:
             inputs.append(InputSlot("param", _strip(spec.target), used=used))
         elif spec.kind == InputKind.BUFFER:
@@ -283,8 +364,18 @@ def _plumbing(program: torch.export.ExportedProgram, template: Template) -> Capt
             outputs.append(OutputSlot("buffer", _strip(spec.target), dtype))
         elif spec.kind == OutputKind.USER_INPUT_MUTATION:
             outputs.append(OutputSlot("input", input_leaf[spec.target], dtype))
+        elif spec.kind == OutputKind.PARAMETER_MUTATION:
+            raise CaptureError(f"torch -> XLA: the forward modifies parameter '{_strip(spec.target)}' in place "
+                               "(under no_grad); the compiled module does not write parameters back. Update it "
+                               "outside forward (e.g. after optimizer.step()), or keep the value in a buffer")
         else:
             raise UnsupportedOpError(f"torch -> XLA: graph output of kind {spec.kind.name} is not supported")
+    tensor_placeholders = [n for n, slot in zip(placeholders, inputs) if slot.kind != "literal"]
+    reaches = []
+    for root in roots:
+        if root is not None:
+            reached = _gradient_reach([root])
+            reaches.append(frozenset(i for i, n in enumerate(tensor_placeholders) if n in reached))
     ops = [n for n in program.graph.nodes if n.op == "call_function"]
     counts: dict[str, int] = {}
     for n in ops:
@@ -293,7 +384,43 @@ def _plumbing(program: torch.export.ExportedProgram, template: Template) -> Capt
     collective = any(n.target in COLLECTIVE_OPS for n in ops)
     return Captured(graph=program.graph, inputs=inputs, outputs=outputs, template=template,
                     constants=dict(program.constants), has_random=has_random, collective=collective,
-                    op_counts=counts)
+                    op_counts=counts, reaches=reaches)
+
+
+def _user_float_outputs(program: torch.export.ExportedProgram, signature: Any) -> list[torch.fx.Node | None]:
+    """Per graph output: its node when it is a floating user output (differentiable), else None."""
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    return [value if spec.kind == OutputKind.USER_OUTPUT and isinstance(value, torch.fx.Node) and _floating(value)
+            else None for value, spec in zip(output.args[0], signature.output_specs)]
+
+
+def _gradient_reach(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes a gradient of `roots` reaches: walked back from them, stopping at values without
+    gradients (integers, booleans), stop_gradient (`detach`, `no_grad`) and custom Function inputs
+    whose backward returns None. A parameter outside it gets no `.grad` (None), as in eager torch,
+    rather than a zero gradient an optimizer would still step with."""
+    stack = list(roots)
+    reach: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in reach or not _floating(node):
+            continue
+        reach.add(node)
+        if node.target is STOP_GRADIENT:
+            continue
+        if node.target is _custom_grad.AUTOGRAD_FUNCTION:
+            call = _custom_grad._CALLS[node.args[0]]
+            stack.extend(node.args[1][i] for i in call.grad_positions)
+            continue
+        stack.extend(node.all_input_nodes)
+    return reach
+
+
+def _floating(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):  # a multi-output op: through any floating part
+        return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in value)
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _strip(name: str) -> str:

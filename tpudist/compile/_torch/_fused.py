@@ -245,7 +245,8 @@ class _Signature:
     def __init__(self, owner: TrainStep, example: Any):
         from tpudist.compile._jax_step import compile_jax
         self.owner = owner
-        captured = capture(owner._objective, (example,), {}, where=" (or train with tpudist.eager_step)")
+        captured = capture(owner._objective, (example,), {}, where=" (or train with tpudist.eager_step)",
+                           torch_autograd=False)
         owner.stats.capture_seconds += captured.seconds
         layout = owner.layout
         self.plan = plan(captured, owner._objective, layout)

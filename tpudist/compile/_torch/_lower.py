@@ -34,25 +34,87 @@ def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any,
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
     tensor_placeholders = [n for n in placeholders if n not in literals]
     pieces = _sibling_pieces(nodes)
+    positions = {node: i for i, node in enumerate(nodes)}
+    steps = _steps([n for n in nodes if n.op == "call_function"], positions)
 
     def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
         env: dict[torch.fx.Node, Any] = dict(literals)
         env.update(zip(tensor_placeholders, tensors))
-        splits: dict[tuple[torch.fx.Node, int], list[Any]] = {}
-        for position, node in enumerate(nodes):
-            if node.op != "call_function":
-                continue
-            if node in pieces:
-                env[node] = _conform(_piece(pieces[node], env, splits), node)
-            elif node.target is operator.getitem:
-                env[node] = _conform(env[node.args[0]][node.args[1]], node)
-            elif node.target not in IGNORED_OPS:
-                env[node] = _apply(node, env, key, position)
+        for step in steps:
+            if isinstance(step, _Region):
+                env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
+                    *[env[n] for n in step.inputs])))
+            else:
+                _evaluate(step, env, {}, pieces, key, positions)
         output = next(n for n in nodes if n.op == "output")
         return tuple(_read(value, env) for value in output.args[0])
 
     return run
+
+
+def _evaluate(node: torch.fx.Node, env: dict, splits: dict, pieces: dict, key: Any, positions: dict) -> None:
+    if node in pieces:
+        env[node] = _conform(_piece(pieces[node], env, splits), node)
+    elif node.target is operator.getitem:
+        env[node] = _conform(env[node.args[0]][node.args[1]], node)
+    elif node.target not in IGNORED_OPS:
+        env[node] = _apply(node, env, key, positions[node])
+
+
+@dataclass
+class _Region:
+    """The nodes of one `torch.utils.checkpoint` call (marked by capture), computed as one
+    `jax.checkpoint`: the backward recomputes them from the region's inputs instead of keeping
+    their intermediates, as torch's checkpoint does."""
+
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]
+
+    def evaluate(self, pieces: dict, key: Any, positions: dict) -> Callable[..., tuple]:
+        def region(*values: Any) -> tuple:
+            env = dict(zip(self.inputs, values))
+            splits: dict = {}
+            for node in self.nodes:
+                _evaluate(node, env, splits, pieces, key, positions)
+            return tuple(env[n] for n in self.outputs)
+        return region
+
+
+def _steps(nodes: list[torch.fx.Node], positions: dict) -> list[Any]:
+    """The graph's nodes in order, with each checkpointed region's nodes gathered into one _Region
+    where they can run as a unit (every input of the region computed before its first node)."""
+    from tpudist.compile._torch._custom_grad import REMAT
+    regions: dict[int, list[torch.fx.Node]] = {}
+    for node in nodes:
+        mark = (node.meta.get("custom") or {}).get(REMAT)
+        if mark is not None:
+            regions.setdefault(mark, []).append(node)
+    steps: list[Any] = []
+    done: set[int] = set()
+    for node in nodes:
+        mark = (node.meta.get("custom") or {}).get(REMAT)
+        if mark is None:
+            steps.append(node)
+        elif mark not in done:
+            done.add(mark)
+            steps.extend(_region(regions[mark], positions))
+    return steps
+
+
+def _region(members: list[torch.fx.Node], positions: dict) -> list[Any]:
+    inside = set(members)
+    inputs: list[torch.fx.Node] = []
+    for node in members:
+        for value in node.all_input_nodes:
+            if value not in inside and value not in inputs:
+                inputs.append(value)
+    first = positions[members[0]]
+    if any(positions[v] > first for v in inputs) or any(positions[n] - first != i for i, n in enumerate(members)):
+        return list(members)  # interleaved with the rest of the graph: computed node by node
+    outputs = [n for n in members if any(user not in inside for user in n.users)]
+    return [_Region(members, inputs, outputs)]
 
 
 @dataclass(frozen=True)

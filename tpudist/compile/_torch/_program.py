@@ -49,12 +49,14 @@ class Program:
         self._rest = tuple(i for i in range(len(outputs)) if i not in self._float)
         self.float_output_dtypes = [outputs[i].dtype for i in self._float]
         self._writes_back = any(o.kind in ("buffer", "input") for o in outputs)  # else all outputs are the user's
+        self._mutated_inputs = [i for i, slot in enumerate(self._slots) if slot.kind == "input" and slot.mutated]
         # fresh callables per program: jit caches per underlying function, and executables()
         # must count this program's executables only
         self._spmd = ProcessMesh(self._run) if captured.collective else None
         self._compiled_forward: dict[tuple[int, ...], Any] = {}
         self._compiled_backward: dict[Any, Any] = {}
         self._packings: dict[tuple[int, ...], Packing] = {}
+        self._reached: dict[tuple, tuple[bool, ...]] = {}
         # small CPU inputs: copied into reused device buffers (see InputStaging); None until the
         # first call decides, False where they are imported afresh
         self._staging: InputStaging | None | bool = None
@@ -85,7 +87,7 @@ class Program:
             # A scalar output (a loss): its VJP is linear in the one cotangent, so the gradients
             # for a cotangent of 1 come out of this same executable, forward and backward fused
             # as jax.value_and_grad is; backward only scales them (see `backward`).
-            (grads,) = vjp([jnp.ones_like(primal[0])])
+            grads = _torch_convention(vjp([jnp.ones_like(primal[0])])[0])
             return primal, rest, _Scaled(Packing.of(grads).pack(grads))
         return primal, rest, vjp
 
@@ -119,6 +121,16 @@ class Program:
             grads = self._backward(diff, arrays, seed, [spmd.to_global(c) for c in cotangents])
             return [spmd.to_local(g) for g in grads]
         return [outs[i] for i in self._float], [outs[i] for i in self._rest], vjp
+
+    def reached(self, diff: tuple[int, ...], used: tuple[int, ...]) -> tuple[bool, ...]:
+        """Per differentiated input: whether the gradient of the floating outputs `used` (positions
+        among them) reaches it."""
+        key = (diff, used)
+        found = self._reached.get(key)
+        if found is None:
+            reach = frozenset().union(*(self.captured.reaches[i] for i in used))
+            found = self._reached[key] = tuple(p in reach for p in diff)
+        return found
 
     def packing(self, diff: tuple[int, ...], arrays: list[jax.Array]) -> Packing | None:
         """How the gradients of the `diff` inputs cross to torch (None: one by one, SPMD)."""
@@ -181,6 +193,11 @@ class Program:
         tensors = [resolve(leaves) for resolve in self._resolve]
         diff = tuple(i for i in self._differentiable if tensors[i].requires_grad
                      and (tensors[i].is_floating_point() or tensors[i].is_complex())) if torch.is_grad_enabled() else ()
+        for i in self._mutated_inputs:
+            if tensors[i].requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(f"torch -> XLA: the compiled forward modifies its input {self._slots[i].name} "
+                                   "in place while it requires grad; tpudist writes the new value back outside "
+                                   "autograd. Modify a copy inside forward (x = x.clone()), or detach the input")
         staging = self._staging
         if staging is None:
             staging = self._staging = self._input_staging(tensors) or False
@@ -250,8 +267,14 @@ class _Scaled:
 
 
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
-    (grads,) = vjp(cotangents)
-    return grads
+    (grads,) = vjp(_torch_convention(cotangents))
+    return _torch_convention(grads)
+
+
+def _torch_convention(values: list[jax.Array]) -> list[jax.Array]:
+    """Complex cotangents between torch and JAX: torch's gradient of a real loss L at z is
+    dL/dRe z + i dL/dIm z, JAX's its conjugate; the same map converts either way."""
+    return [jnp.conj(v) if jnp.iscomplexobj(v) else v for v in values]
 
 
 def _packed(grads: list[jax.Array]) -> list[jax.Array]:

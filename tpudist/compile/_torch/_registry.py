@@ -23,10 +23,14 @@ from typing import Any, Callable
 
 import torch
 
-# ops that carry no computation once shapes are static; the interpreter skips them
+# ops that carry no computation once shapes are static; the interpreter skips them. The asserts on
+# values (`_assert_async`: F.one_hot's class range) cannot run inside XLA, which has no run-time
+# assertion: an out-of-range class goes unreported there, as an out-of-range gather index does
 IGNORED_OPS = frozenset({
     torch.ops.aten._assert_tensor_metadata.default,
     torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
     torch.ops.aten.sym_constrain_range_for_size.default,
 })
 
@@ -51,8 +55,10 @@ class Lowering:
 
 
 _REGISTRY: dict[Any, Lowering] = {}
+_NAMED: dict[str, Lowering] = {}  # ops of other libraries, by name (see register_named)
 # ops left to torch's own decomposition (torch._decomp), beyond torch.export's core-ATen table
 _DECOMPOSED: set[Any] = set()
+_KEPT: set[Any] = set()  # ops lowered whole although torch.export's table decomposes them
 
 
 def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
@@ -72,6 +78,17 @@ def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
     return decorate
 
 
+def register_named(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Like `register`, for ops another library defines (e.g. "transformers.grouped_mm_fallback.default",
+    the op's `str`): matched by name, so the library need not be imported before tpudist is."""
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            assert name not in _NAMED, f"{name} is registered twice"
+            _NAMED[name] = Lowering(name, fn)
+        return fn
+    return decorate
+
+
 def decompose_with_torch(*ops: Any) -> None:
     """Marks ATen overloads that capture decomposes with torch's own decomposition (from
     `torch._decomp`) instead of lowering them: for ops whose torch decomposition is exact and
@@ -83,11 +100,21 @@ def decompose_with_torch(*ops: Any) -> None:
         _DECOMPOSED.add(op)
 
 
-def torch_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decompositions `decompose_with_torch` asked for, as a table for run_decompositions."""
+def keep_whole(*ops: Any) -> None:
+    """Marks registered ATen overloads that capture keeps whole although torch.export's core-ATen
+    table decomposes them: where the decomposition differentiates worse than torch's own kernel
+    (`special_log_ndtr` as a `where` of two branches: NaN gradients, 0 * inf, for |x| > 5)."""
+    _KEPT.update(ops)
+
+
+def torch_decompositions() -> tuple[dict[Any, Callable[..., Any]], frozenset]:
+    """The decompositions `decompose_with_torch` asked for, as a table for run_decompositions, and
+    the ops `keep_whole` takes out of torch.export's table."""
     from torch._decomp import decomposition_table
     _load_families()
-    return {op: decomposition_table[op] for op in _DECOMPOSED}
+    for op in _KEPT:
+        assert op in _REGISTRY, f"{op} is kept whole but has no lowering"
+    return {op: decomposition_table[op] for op in _DECOMPOSED}, frozenset(_KEPT)
 
 
 def is_random(node: Any) -> bool:
@@ -102,13 +129,14 @@ def is_random(node: Any) -> bool:
 def lookup(op: Any) -> Lowering | None:
     """The lowering of `op`, or None when the bridge does not support it."""
     _load_families()
-    return _REGISTRY.get(op)
+    found = _REGISTRY.get(op)
+    return found if found is not None or not _NAMED else _NAMED.get(str(op))
 
 
 def supported_ops() -> list[str]:
     """Names of every ATen overload the bridge lowers, sorted, e.g. `['aten._log_softmax.default', ...]`."""
     _load_families()
-    return sorted(str(op) for op in _REGISTRY)
+    return sorted([str(op) for op in _REGISTRY] + list(_NAMED))
 
 
 def unsupported_message(op: Any, where: str) -> str:
