@@ -32,9 +32,11 @@ def leaves(value: Any) -> list[Any]:
 
 
 def check_compiled(fn: Callable[..., Any], *inputs: torch.Tensor, grad: bool = True, rtol: float = 1e-5,
-                   atol: float = 1e-5) -> None:
+                   atol: float = 1e-5, constant: tuple[int, ...] = ()) -> None:
+    """`constant`: positions of floating inputs not differentiated (e.g. a sampling grid)."""
     def fresh() -> list[torch.Tensor]:
-        return [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in inputs]
+        return [t.detach().clone().requires_grad_(grad and t.is_floating_point() and i not in constant)
+                for i, t in enumerate(inputs)]
 
     eager_in, xla_in = fresh(), fresh()
     want, got = leaves(fn(*eager_in)), leaves(tpudist.compile(Fn(fn))(*xla_in))

@@ -73,7 +73,9 @@ def _describe(value: Any, tensors: list[torch.Tensor], depth: int, seen: set[int
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _Slot(len(tensors) - 1)
-    leaves, spec = tree_flatten(value)
+    if isinstance(value, torch.Size):
+        return _Constant(value)
+    leaves, spec = tree_flatten(value, is_leaf=_is_size)
     if not (len(leaves) == 1 and leaves[0] is value):  # a container torch's pytree knows
         return _Tree(spec, [_describe(leaf, tensors, depth + 1, seen) for leaf in leaves])
     if depth >= _MAX_DEPTH or id(value) in seen or isinstance(value, torch.nn.Module) \
@@ -83,6 +85,11 @@ def _describe(value: Any, tensors: list[torch.Tensor], depth: int, seen: set[int
     attributes = {name: _describe(item, tensors, depth + 1, seen) for name, item in _attributes(value)
                   if _holds_tensors(item, depth + 1, set())}
     return _Object(value, attributes)
+
+
+def _is_size(value: Any) -> bool:
+    # a shape is static here, and torch's pytree would rebuild a torch.Size as a plain tuple
+    return isinstance(value, torch.Size)
 
 
 def _attributes(value: Any) -> list[tuple[str, Any]]:

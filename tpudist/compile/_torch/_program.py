@@ -217,7 +217,7 @@ class Program:
                 # converting an output to torch waits for it; by then XLA is done reading the inputs
                 results = self._plain_forward(arrays, seed)
                 floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in self._float]
-                rest, first = [results[i] for i in self._rest], results[0]
+                rest, first = [results[i] for i in self._rest], results[0] if results else None
         finally:
             if staged is not None and not staging.release(first):
                 self._staging = False  # unsafe to reuse (see InputStaging.release): import afresh from now on

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from tpudist.compile._torch._custom_ops import ATTENTION
-from tpudist.compile._torch._registry import register
+from tpudist.compile._torch._registry import keep_whole, register
+from tpudist.compile._torch.ops._util import in_float32
 from tpudist.compile._torch.ops.linalg import accumulation
+
+aten = __import__("torch").ops.aten
 
 
 def _has_dropout(node) -> bool:
@@ -67,3 +70,17 @@ def _math(key, q, k, v, mask, dropout_p, causal, scale):
         kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)
     return jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
+
+
+@register(aten._safe_softmax.default)
+@in_float32
+def safe_softmax(x, dim, dtype=None):
+    """Softmax whose rows of only -inf (a query that may attend nowhere) are 0 rather than NaN, and
+    whose gradient there is 0 too, as torch's kernel (its derivative is softmax's, of that 0 output;
+    torch's decomposition, a `where` after a NaN softmax, would give NaN)."""
+    empty = jnp.all(x == -jnp.inf, axis=dim, keepdims=True)
+    weights = jax.nn.softmax(jnp.where(empty, 0, x), axis=dim)
+    return jnp.where(empty, 0, weights)
+
+
+keep_whole(aten._safe_softmax.default)  # torch.export's table has the NaN-gradient decomposition

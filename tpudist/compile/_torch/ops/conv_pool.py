@@ -192,3 +192,116 @@ def adaptive_avg_pool2d(x, output_size):
 @register(aten._adaptive_avg_pool3d.default)
 def adaptive_avg_pool3d(x, output_size):
     return _adaptive_avg(x, output_size, 3)
+
+
+def _to_indices(grad, x, indices, nd):
+    """Each output's gradient added at its recorded argmax (flat within the input plane)."""
+    rows = int(np.prod(x.shape[:x.ndim - nd]))
+    total = jnp.zeros((rows, int(np.prod(x.shape[x.ndim - nd:]))), grad.dtype)
+    total = total.at[jnp.arange(rows)[:, None], indices.reshape(rows, -1)].add(grad.reshape(rows, -1))
+    return total.reshape(x.shape)
+
+
+@register(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _to_indices(grad, x, indices, 2)
+
+
+@register(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _to_indices(grad, x, indices, 3)
+
+
+# -- adaptive and fractional max pooling: windows of varying start, ATen's choice of maximum ------
+
+def _window_max(x, starts, lengths, nd):
+    """(values, indices) of max pooling over arbitrary windows, as ATen's adaptive and fractional
+    kernels: along spatial dim k, output o reads input positions starts[k][..., o] + j for
+    j < lengths[k][o] (starts: static (out,), or one row per plane (planes, out)); the maximum is
+    the first in row-major order, or the last NaN when the window holds one (`val > max || isnan`)."""
+    lead, sizes = x.shape[:x.ndim - nd], x.shape[x.ndim - nd:]
+    flat, valid = 0, True
+    for k in range(nd):
+        taps = int(np.max(lengths[k]))
+        start = jnp.asarray(starts[k]).reshape((-1, len(lengths[k])))  # (1 or planes, out)
+        # laid out as (planes, o1, .., ond, t1, .., tnd): this dim's out and tap axes, 1 elsewhere
+        out_axes = (1,) * k + (len(lengths[k]),) + (1,) * (nd - 1 - k)
+        tap_axes = (1,) * k + (taps,) + (1,) * (nd - 1 - k)
+        position = start.reshape((start.shape[0],) + out_axes + (1,) * nd) + jnp.arange(taps).reshape(tap_axes)
+        flat = flat * sizes[k] + jnp.clip(position, 0, sizes[k] - 1)
+        valid = valid & (np.arange(taps) < np.asarray(lengths[k])[:, None]).reshape(out_axes + tap_axes)
+    outs = valid.shape[:nd]
+    flat = flat.reshape((flat.shape[0], int(np.prod(outs)), -1))
+    valid = jnp.asarray(valid.reshape((int(np.prod(outs)), -1)))
+    values = jnp.take_along_axis(x.reshape(-1, int(np.prod(sizes))), flat.reshape(flat.shape[0], -1), axis=1)
+    values = values.reshape((-1,) + valid.shape)
+    seen = lax.stop_gradient(values)
+    nan = jnp.isnan(seen) & valid
+    candidates = jnp.where(valid, seen, -jnp.inf)
+    first_max = jnp.argmax(candidates == jnp.max(candidates, axis=-1, keepdims=True), axis=-1)
+    last_nan = valid.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    chosen = jnp.where(jnp.any(nan, axis=-1), last_nan, first_max)[..., None]
+    out = jnp.take_along_axis(values, chosen, axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(flat, values.shape), chosen, axis=-1)[..., 0]
+    return out.reshape(lead + outs), indices.reshape(lead + outs)
+
+
+def _adaptive_windows(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    # ATen's start_index / end_index: [floor(o * size / out), ceil((o + 1) * size / out))
+    o = np.arange(out)
+    start = (o * size) // out
+    end = -((-(o + 1) * size) // out)
+    return start, end - start
+
+
+def _adaptive_max(x, output_size, nd):
+    windows = [_adaptive_windows(x.shape[x.ndim - nd + k], out) for k, out in enumerate(_per_dim(output_size, nd))]
+    return _window_max(x, [w[0] for w in windows], [w[1] for w in windows], nd)
+
+
+@register(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(x, output_size):
+    return _adaptive_max(x, output_size, 2)
+
+
+@register(aten.adaptive_max_pool3d.default)
+def adaptive_max_pool3d(x, output_size):
+    return _adaptive_max(x, output_size, 3)
+
+
+def _fractional_starts(sample, size: int, out: int, pool: int):
+    """ATen's `generate_intervals`, in the samples' dtype as the kernel computes: each window's start
+    from the plane's random sample u in [0, 1): int((i + u) * alpha) - int(u * alpha), the last
+    window flush with the end."""
+    def rounded(v):  # each step of the C++ arithmetic rounds to the samples' dtype
+        return v.astype(sample.dtype).astype(jnp.float32)
+
+    last = jnp.full(sample.shape + (1,), size - pool, jnp.int32)
+    if out == 1:
+        return last
+    u = sample.astype(jnp.float32)
+    alpha = rounded(rounded(jnp.float32(size - pool)) / rounded(jnp.float32(out - 1)))
+    i = jnp.arange(out - 1, dtype=jnp.float32)
+    starts = (rounded(rounded(i + u[..., None]) * alpha).astype(jnp.int32)
+              - rounded(u * alpha).astype(jnp.int32)[..., None])
+    return jnp.concatenate([starts, last], axis=-1)
+
+
+def _fractional_max(x, kernel_size, output_size, samples, nd, sample_of_dim):
+    pools, outs = _per_dim(kernel_size, nd), _per_dim(output_size, nd)
+    samples = samples.reshape((-1, samples.shape[-1]))  # (planes, nd): one sample per plane and dim
+    starts = [_fractional_starts(samples[:, sample_of_dim[k]], x.shape[x.ndim - nd + k], outs[k], pools[k])
+              for k in range(nd)]
+    return _window_max(x, starts, [np.full(outs[k], pools[k]) for k in range(nd)], nd)
+
+
+@register(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
+    # the kernel reads each plane's samples as (width, height)
+    return _fractional_max(x, kernel_size, output_size, random_samples, 2, (1, 0))
+
+
+@register(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(x, kernel_size, output_size, random_samples):
+    # ... and as (time, height, width) in 3-d
+    return _fractional_max(x, kernel_size, output_size, random_samples, 3, (0, 1, 2))

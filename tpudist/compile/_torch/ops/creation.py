@@ -28,8 +28,8 @@ def new_full(x, size, fill_value, *, dtype=None):
     return jnp.full(tuple(size), fill_value, dtype or x.dtype)
 
 
-@register(aten.zeros.default, aten.empty.memory_format)
-def zeros(size, *, dtype=None):
+@register(aten.zeros.default, aten.empty.memory_format, aten.empty_strided.default)
+def zeros(size, stride=None, *, dtype=None):
     # an uninitialized tensor may hold anything; zeros is the deterministic choice
     return jnp.zeros(tuple(size), dtype or jnp.float32)
 
@@ -55,8 +55,8 @@ def ones_like(x, *, dtype=None):
     return jnp.ones(x.shape, dtype or x.dtype)
 
 
-@register(aten.new_zeros.default, aten.new_empty.default)
-def new_zeros(x, size, *, dtype=None):
+@register(aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default)
+def new_zeros(x, size, stride=None, *, dtype=None):
     return jnp.zeros(tuple(size), dtype or x.dtype)
 
 

@@ -1,5 +1,10 @@
 """Normalization: LayerNorm, BatchNorm (training and eval), GroupNorm, InstanceNorm; half-precision
-inputs are normalized in float32, as torch's kernels do."""
+inputs are normalized in float32, as torch's kernels do.
+
+The saved statistics layer and batch norm also return (mean, rstd) carry no gradient: torch's
+derivatives of native_layer_norm / native_batch_norm read only the output's gradient and drop
+whatever reaches the saved mean and rstd, so they are returned through `stop_gradient` here
+(native_group_norm's derivative does use them, so its statistics stay differentiable)."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out, mean, rstd
+    return out, lax.stop_gradient(mean), lax.stop_gradient(rstd)
 
 
 def _channel(v, ndim):
@@ -49,7 +54,8 @@ def _batch_stats(x, weight, bias, eps):
     axes = (0,) + tuple(range(2, x.ndim))
     mean, var = _moments(x, axes)
     rstd = lax.rsqrt(var + eps)
-    return _affine((x - mean) * rstd, weight, bias), mean.reshape(-1), var.reshape(-1), rstd.reshape(-1)
+    saved_mean, saved_rstd = lax.stop_gradient(mean.reshape(-1)), lax.stop_gradient(rstd.reshape(-1))
+    return _affine((x - mean) * rstd, weight, bias), saved_mean, var.reshape(-1), saved_rstd
 
 
 @register(aten._native_batch_norm_legit_functional.default)
@@ -66,6 +72,15 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
     new_mean = (1 - momentum) * running_mean + momentum * lax.stop_gradient(mean)
     new_var = (1 - momentum) * running_var + momentum * unbiased
     return out, mean, rstd, new_mean, new_var
+
+
+@register(aten._batch_norm_with_update_functional.default)
+def batch_norm_with_update_functional(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Returns (output, save_mean, save_rstd, reserve, new_running_mean, new_running_var); the
+    reserve is cuDNN's workspace, empty elsewhere."""
+    out, mean, rstd, new_mean, new_var = batch_norm_functional(x, weight, bias, running_mean, running_var,
+                                                               True, momentum, eps)
+    return out, mean, rstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
 
 
 @register(aten._native_batch_norm_legit_no_training.default)

@@ -219,6 +219,12 @@ def to_copy(x, dtype=None, non_blocking=False):
     return x if dtype is None else x.astype(dtype)
 
 
+@register(__import__("torch").ops.prims.convert_element_type.default)
+def convert_element_type(x, dtype):
+    # a cast some of torch's own decompositions emit (renorm in bfloat16)
+    return x.astype(dtype)
+
+
 @register(aten.copy.default)
 def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(jnp.asarray(src).astype(x.dtype), x.shape)
@@ -399,7 +405,8 @@ def view_as_real(x):
 
 
 for _op, _fn in [(aten.real.default, jnp.real), (aten.imag.default, jnp.imag),
-                 (aten._conj.default, jnp.conj), (aten.conj_physical.default, jnp.conj)]:
+                 (aten._conj.default, jnp.conj), (aten.conj_physical.default, jnp.conj),
+                 (aten._conj_physical.default, jnp.conj)]:
     _unary(_op, _fn)
 
 

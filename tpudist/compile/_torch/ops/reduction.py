@@ -15,26 +15,34 @@ from tpudist.compile._torch.ops._util import dim, dims, in_float32
 aten = __import__("torch").ops.aten
 
 
+def _accumulator(dtype):
+    """The dtype a sum with `dtype=` accumulates in: float32 for half types, as torch's kernels do
+    (the result is rounded to `dtype` once, by the interpreter)."""
+    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
 @register(aten.sum.dim_IntList, aten.sum.default)
 @in_float32
 def sum_(x, dim=None, keepdim=False, dtype=None):
-    return jnp.sum(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
+    return jnp.sum(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=_accumulator(dtype))
 
 
 @register(aten.mean.dim, aten.mean.default)
 @in_float32
 def mean(x, dim=None, keepdim=False, dtype=None):
-    return jnp.mean(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
+    return jnp.mean(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=_accumulator(dtype))
 
 
 @register(aten.prod.default)
+@in_float32
 def prod(x, dtype=None):
-    return jnp.prod(x, dtype=dtype)
+    return jnp.prod(x, dtype=_accumulator(dtype))
 
 
 @register(aten.prod.dim_int)
+@in_float32
 def prod_dim(x, dim, keepdim=False, dtype=None):
-    return jnp.prod(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=dtype)
+    return jnp.prod(x, axis=dims(dim, x.ndim), keepdims=keepdim, dtype=_accumulator(dtype))
 
 
 @register(aten.amax.default)

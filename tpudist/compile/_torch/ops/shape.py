@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tpudist.compile._torch._registry import UnsupportedOpError, register
+from tpudist.compile._torch._registry import UnsupportedOpError, decompose_with_torch, register
 from tpudist.compile._torch.ops._util import dim
 
 aten = __import__("torch").ops.aten
@@ -205,3 +205,9 @@ def unfold(x, dimension, size, step):
     count = (x.shape[d] - size) // step + 1
     index = np.arange(count)[:, None] * step + np.arange(size)[None, :]
     return jnp.moveaxis(jnp.take(x, jnp.asarray(index, jnp.int32), axis=d), d + 1, -1)
+
+
+# the out-of-place copies of views (torch.narrow_copy, permute_copy, ...): torch's decompositions
+# into the view and a clone are exact
+decompose_with_torch(aten.narrow_copy.default, aten.permute_copy.default, aten.view_copy.default,
+                     aten.unbind_copy.int)
