@@ -8,6 +8,12 @@ busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JS
     python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json]
                                         [--collectives all_reduce all_gather reduce_scatter]
     python scripts/bench_collectives.py --plot-only docs/bench/collectives_cpu_run6.json
+    python scripts/bench_collectives.py --baseline /tmp/base --rounds 3 --max-bytes 1Mi
+
+`--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~1`) measures
+that tree's tpudist in the same run, alternating with this one `--rounds` times, and prints
+tpudist's latency in both and the ratio this/baseline (median over rounds): what a change to the
+collectives costs.
 
 Beside the JSON it draws `<json stem>.png`: the ratio against message size, one line per collective
 and process count (scripts/_plots.py; needs matplotlib, the `bench` extra). `--plot-only JSON`
@@ -31,7 +37,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import tpudist
@@ -151,12 +159,17 @@ def main() -> None:
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     parser.add_argument("--json", default="bench-results/collectives.json")
     parser.add_argument("--plot-only", metavar="JSON", help="draw JSON's picture (JSON stem + .png) and exit")
+    parser.add_argument("--baseline", metavar="DIR", help="also measure the tpudist checked out in DIR, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations with --baseline")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = parser.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
             print(f"PNG: {plot(json.load(f)['rows'], args.plot_only)}")
         return
     byte_sizes = sizes(_parse_bytes(args.max_bytes), _parse_bytes(args.min_bytes))
+    if args.baseline:
+        return compare(args)
     rows: list[dict] = []
     for n in args.procs:
         rows += tpudist.spawn(measure, args=(byte_sizes, args.budget, tuple(args.collectives)), nprocs=n, cpu_devices=1, timeout=3600)[0]
@@ -175,10 +188,48 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
     print(f"JSON: {args.json}")
+    if args.no_plot:
+        return
     try:
         print(f"PNG: {plot(rows, args.json)}")
     except ImportError as e:
         print(f"no PNG: {e} (pip install -e .[bench] for matplotlib)")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """tpudist's latency in this tree and in `args.baseline`'s, alternating `args.rounds` times in one
+    run; each side is this script run with that tree first on PYTHONPATH."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(tpudist.__file__)))
+    trees = {"baseline": os.path.abspath(args.baseline), "this": here}
+    times: dict[tuple, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for n in args.procs:
+                for label, tree in trees.items():
+                    out = os.path.join(tmp, f"{label}.json")
+                    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
+                    subprocess.run([sys.executable, os.path.abspath(__file__), "--procs", str(n), "--max-bytes",
+                                    args.max_bytes, "--min-bytes", args.min_bytes, "--budget", str(args.budget),
+                                    "--collectives", *args.collectives, "--json", out, "--no-plot"],
+                                   env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+                    with open(out) as f:
+                        for r in json.load(f)["rows"]:
+                            t = times.setdefault((r["collective"], r["procs"], r["bytes"]), {})
+                            t.setdefault(label, []).append(r["tpudist_s"])
+                            t.setdefault("gloo", []).append(r["gloo_s"])
+    print(f"{'collective':15} {'procs':>5} {'size':>10} {'baseline ms':>11} {'this ms':>9} {'this/baseline':>13} {'gloo ms':>8}")
+    rows = []
+    for (name, n, nbytes), t in sorted(times.items()):
+        row = {"collective": name, "procs": n, "bytes": nbytes,
+               **{f"{label}_s": statistics.median(v) for label, v in t.items()}}
+        row["ratio"] = row["this_s"] / row["baseline_s"]
+        rows.append(row)
+        print(f"{name:15} {n:>5} {human(nbytes):>10} {row['baseline_s'] * 1e3:>11.3f} {row['this_s'] * 1e3:>9.3f} "
+              f"{row['ratio']:>13.2f} {row['gloo_s'] * 1e3:>8.3f}")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"argv": sys.argv, "baseline": trees["baseline"], "rows": rows}, f, indent=1)
+    print(f"JSON: {args.json}")
 
 
 def plot(rows: list[dict], json_path: str) -> str:

@@ -135,3 +135,13 @@ def distributed_state() -> Any:
     except (ImportError, AttributeError) as e:
         raise RuntimeError(f"tpudist cannot reach JAX's distributed state in jax {jax.__version__} ({e}); "
                            "tpudist._jaxcompat.distributed_state needs updating for this JAX version") from e
+
+
+def varying_axes(value: Any) -> frozenset[str]:
+    """The shard_map mesh axes over which traced `value` varies: jax 0.10 keeps them in its
+    aval's manual axis types (`mat`), other releases in `vma`."""
+    import jax
+
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from tpudist import _jaxcompat, contract
+from tpudist import _coordinator, _jaxcompat, _jobsource, _stacks, contract
 
 log = logging.getLogger("tpudist")
 
@@ -77,7 +77,10 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
     with _lock:
         if _job is not None:
             return _job
-        job = contract.JobEnv.from_environ(os.environ if environ is None else environ)
+        # The launcher's contract, else a GKE / JobSet slice, else one process (tpudist/_jobsource.py).
+        job = _jobsource.detect(os.environ if environ is None else environ)
+        # First, so that even a hang while joining can be explained (tpudist/_stacks.py).
+        _stacks.install(os.environ if environ is None else environ)
         if job.cpu_devices is not None:
             if _jaxcompat.backend_started():
                 import jax
@@ -95,16 +98,22 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
             import jax
             log.debug("rank %d/%d joining coordinator %s", job.rank, job.world_size, job.coordinator)
             sigterm = _sigterm_handler()  # JAX's preemption notifier is about to take SIGTERM over
+            # Rank 0 serves the coordinator on the job's own address, never every interface; a port
+            # that is taken is said so here, not reported later as a timeout (tpudist/_coordinator.py).
+            bind = (_coordinator.bind_address(job, os.environ if environ is None else environ)
+                    if job.rank == 0 else None)
             try:
-                jax.distributed.initialize(
-                    coordinator_address=job.coordinator,
-                    num_processes=job.world_size,
-                    process_id=job.rank,
-                    initialization_timeout=int(max(1, job.init_timeout)),
-                    # The contract says everything: JAX's own cluster detection (which the launcher's
-                    # Open MPI variables would feed) must not also narrow each process's devices.
-                    cluster_detection_method="deactivate",
-                )
+                with _coordinator.private_files(bind):
+                    jax.distributed.initialize(
+                        coordinator_address=job.coordinator,
+                        num_processes=job.world_size,
+                        process_id=job.rank,
+                        initialization_timeout=int(max(1, job.init_timeout)),
+                        coordinator_bind_address=bind,
+                        # The contract says everything: JAX's own cluster detection (which the launcher's
+                        # Open MPI variables would feed) must not also narrow each process's devices.
+                        cluster_detection_method="deactivate",
+                    )
             except Exception as e:  # noqa: BLE001 - re-raised with the job's facts
                 raise RuntimeError(
                     f"rank {job.rank} on {job.host or 'this host'}: could not join the job at coordinator "

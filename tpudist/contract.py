@@ -42,7 +42,12 @@ MASTER_ADDR = "MASTER_ADDR"  # address of rank 0's host, for torch.distributed's
 MASTER_PORT = "MASTER_PORT"  # torch.distributed's rendezvous port (never the JAX coordinator's)
 
 # tpudist's own names.
-COORDINATOR = "TPUDIST_COORDINATOR"  # host:port of the JAX distributed coordinator (served by rank 0)
+# host:port of the JAX distributed coordinator (served by rank 0); in a launched job a Unix socket only
+# the job's user can open, `unix:/tmp/tpudist-<job>-<attempt>[-w<worker>].sock` (see tpudist/_coordinator.py)
+COORDINATOR = "TPUDIST_COORDINATOR"
+# host:port of worker 0's coordinator gate on a multi-host job, which the agents relay the other
+# hosts' coordinator sockets to (tpudist/launch/agent/_gate.py); the processes need not read it
+COORDINATOR_GATE = "TPUDIST_COORDINATOR_GATE"
 WORKER = "TPUDIST_WORKER"  # index of this process's host in the job (the TPU worker id on a slice)
 NUM_WORKERS = "TPUDIST_NUM_WORKERS"  # number of hosts in the job
 HOST = "TPUDIST_HOST"  # the host name the launcher used to reach this host (for messages)
@@ -70,6 +75,11 @@ DEFAULT_SLICE_PORT = 8081  # Ray's `get_tpu_coordinator_env_vars` default, as on
 PROFILE_DIR = "TPUDIST_PROFILE_DIR"  # this host's directory for the traces (job-specific, under /tmp)
 PROFILE_STEPS = "TPUDIST_PROFILE_STEPS"  # "A:B": the steps of fit to trace
 
+# Hangs: each host's agent gives each process a private directory of its own; `tpudist.init()` puts
+# its stack dumper's output and its progress record there (tpudist/_stacks.py), which the agent
+# reads when the launcher asks for every rank's stacks (--hang-timeout, SIGQUIT).
+DEBUG_DIR = "TPUDIST_DEBUG_DIR"
+
 # The TPU preflight (`tpudist doctor`, and each host's agent before a job starts): where the TPU's
 # device nodes and libtpu's lock file are. Overridable for tests (stand-in paths); the launcher
 # reads them from --env, then its own environment, and passes them to every host's agent.
@@ -83,12 +93,35 @@ DEFAULT_LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
 # cluster it recognises; the launcher describes the job as Open MPI's `mpirun` would (the
 # variables of jax/_src/clusters/ompi_cluster.py), with the coordinator named explicitly.
 JAX_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # = COORDINATOR
+JAX_COORDINATOR_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # = COORDINATOR when that is a unix: socket
 JAX_NUM_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"  # = CPU_DEVICES, for a JAX program's own CPU backend
 OMPI_HNP_URI = "OMPI_MCA_orte_hnp_uri"  # its presence is JAX's "launched by mpirun" test
 OMPI_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"  # = WORLD_SIZE
 OMPI_WORLD_RANK = "OMPI_COMM_WORLD_RANK"  # = RANK
 OMPI_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"  # = LOCAL_RANK
 JAX_AUTODETECT = "TPUDIST_JAX_AUTODETECT"  # "0": do not set the OMPI_* variables above
+
+# A TPU slice as GKE describes it to each pod (and the launcher to each TPU process): `tpudist.init()`
+# with none of the launcher's variables set joins the job these describe (tpudist/_gke.py), as
+# jax/_src/clusters/cloud_tpu_cluster.py's GkeTpuCluster reads them. One process per worker; worker
+# list in worker order; a multislice job adds the MEGASCALE_* variables above.
+TPU_WORKER_ID = "TPU_WORKER_ID"  # this worker's index in its slice
+TPU_WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # the slice's workers, comma-separated, worker order
+TPU_PROCESS_ADDRESSES = "TPU_PROCESS_ADDRESSES"  # host:port of every TPU process (wins, as in JAX)
+JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # a pod's index in its Indexed Job (JobSet: a Job per slice)
+COORDINATOR_PORT = "TPUDIST_COORDINATOR_PORT"  # the JAX coordinator's port when init() derives it
+DEFAULT_COORDINATOR_PORT = 8482  # JAX's own on Cloud TPU and GKE (cloud_tpu_cluster.coordinator_port)
+
+# TorchTPU (`torch_tpu`): what its multi-host wrapper (torch_tpu/_internal/distributed/launchers/
+# multihost_wrapper) derives from TPU_WORKER_HOSTNAMES and JOB_COMPLETION_INDEX for torchrun, which the
+# launcher sets itself on a TPU slice (tpudist/launch/tpu/env.py) so that nothing is left to derive.
+NNODES = "NNODES"  # hosts in the job (torchrun --nnodes)
+NODE_RANK = "NODE_RANK"  # this host's index in the job (torchrun --node-rank)
+TORCH_TPU_TOPOLOGY = "TORCH_TPU_TOPOLOGY"  # the slice's chips along each axis: "2,2,4" (tpu7x: ",2")
+TORCH_TPU_SLICEBUILDER_ADDRESSES = "TORCH_TPU_SLICEBUILDER_ADDRESSES"  # host:port per device, worker order
+TORCH_TPU_BASE_PORT = "TORCH_TPU_BASE_PORT"  # device d of a worker serves slice building on base + d
+TORCH_TPU_DEVICES_PER_HOST = "TORCH_TPU_DEVICES_PER_HOST"  # TorchTPU devices (processes) per worker
+DEFAULT_TORCH_TPU_BASE_PORT = 8070  # the wrapper's default
 
 # Set for every process tpudist starts unless the user's environment names it (or HUGEPAGES=0):
 # transparent huge pages for glibc's large allocations. XLA:CPU allocates each output buffer afresh,
@@ -105,7 +138,8 @@ DEFAULT_STOP_GRACE = 3.0
 ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
        CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID, SLICE_COORDINATOR, SLICE_PORT,
-       PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT)
+       PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT, DEBUG_DIR,
+       COORDINATOR_PORT, COORDINATOR_GATE)
 
 
 def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:
@@ -125,6 +159,8 @@ def jax_environ(*, coordinator: str, world_size: int, rank: int, local_rank: int
     makes JAX (off a TPU VM) restrict each process to GPU `LOCAL_RANK`, as under `mpirun`.
     """
     env = {JAX_COORDINATOR_ADDRESS: coordinator}
+    if coordinator.startswith("unix:"):  # JAX's default, "[::]:" + what follows the last ":", is no socket
+        env[JAX_COORDINATOR_BIND_ADDRESS] = coordinator
     if cpu_devices is not None:
         env[JAX_NUM_CPU_DEVICES] = str(cpu_devices)
     if not any(e.get(JAX_AUTODETECT) == "0" for e in environs):
@@ -135,6 +171,12 @@ def jax_environ(*, coordinator: str, world_size: int, rank: int, local_rank: int
             OMPI_WORLD_SIZE: str(world_size), OMPI_WORLD_RANK: str(rank), OMPI_LOCAL_RANK: str(local_rank),
         })
     return env
+
+
+def torchrun_environ(*, worker: int, num_workers: int) -> dict[str, str]:
+    """torchrun's host count and host index, for a program that runs `torchrun --nnodes $NNODES
+    --node-rank $NODE_RANK ...` on each host (as TorchTPU's multi-host wrapper has it do)."""
+    return {NNODES: str(num_workers), NODE_RANK: str(worker)}
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:

@@ -18,8 +18,9 @@ PROG = "python -m tpudist.xla_dist"
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     from tpudist.launch._build import build, dry_run
+    from tpudist.launch._startup import Interrupted, LaunchError
     from tpudist.launch.args import parse_args
-    from tpudist.launch.supervisor import Interrupted, LaunchError, Supervisor
+    from tpudist.launch.supervisor import Supervisor
 
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv, prog)     # parse

@@ -100,3 +100,33 @@ def test_a_shard_one_process_cannot_read_fails_every_process(tmp_path):
         assert "so process 0 loaded nothing either" in str(info.value)
     else:
         assert "is incomplete or corrupt" in str(info.value)
+
+
+@pytest.mark.tpudist(nprocs=2, cpu_devices=2)
+def test_a_flipped_byte_in_one_process_s_shards_fails_every_process(tmp_path):
+    import jax
+    rank = tpudist.process_index()
+    mesh = tpudist.mesh.make_mesh({"model": -1})
+    emb = tpudist.ShardedEmbedding(ROWS, FEATURES, mesh=mesh, axis="model")
+    state = {"table": emb.init(jax.random.key(0))}
+    tpudist.checkpoint.save(tmp_path, 1, state)
+    item = tmp_path / "1" / "default"
+    manifest = (item / "_CHECKSUMS").read_text()
+    assert "ocdbt.process_0/d/" in manifest and "ocdbt.process_1/d/" in manifest  # both stores
+    tpudist.barrier()
+    if rank == 1:  # bit rot in process 1's data
+        store = str(item / "ocdbt.process_1" / "d")
+        data = max((os.path.join(store, f) for f in os.listdir(store)), key=os.path.getsize)
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    tpudist.barrier()
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=f"{tmp_path}") as info:
+        tpudist.checkpoint.restore(tmp_path, like=state)
+    assert time.monotonic() - start < 60  # at once, not after a timeout
+    message = str(info.value)
+    assert "ocdbt.process_1/d/" in message and "does not match its checksum" in message, message
+    assert tpudist.checkpoint.latest_step(tmp_path, verify=True) is None

@@ -83,6 +83,20 @@ def mismatches() -> dict:
     out["op"] = _error(lambda: tpudist.all_reduce(np.ones(3, np.float32), op="sum" if rank == 0 else "max"))
     out["count"] = _error(lambda: tpudist.all_reduce([np.ones(2, np.float32)] * (1 + rank)))
     out["agree_after"] = tpudist.all_reduce(np.float32(rank + 1))
+    # Signatures both ranks have already compiled: the disagreement is found on every call, not only
+    # on a signature's first one (before: float bits read as ints, or gloo aborting the process).
+    f32, i32, square = np.ones(4, np.float32), np.ones(4, np.int32), np.ones((2, 2), np.float32)
+    for v in (f32, i32, square):
+        tpudist.all_reduce(v)
+    out["cached_dtype"] = _error(lambda: tpudist.all_reduce(f32 if rank == 0 else i32))
+    out["cached_shape"] = _error(lambda: tpudist.all_reduce(f32 if rank == 0 else square))
+    # Rank 0's signature is cached, rank 1's is new (before: both waited out the whole timeout).
+    start = time.monotonic()
+    out["new_on_one"] = _error(lambda: tpudist.all_reduce(f32 if rank == 0 else np.ones(4, np.float64)))
+    out["new_on_one_seconds"] = time.monotonic() - start
+    out["keys"] = _error(lambda: tpudist.all_reduce({"a": f32, "b" if rank == 0 else "c": f32}))
+    out["broadcast_keys"] = _error(lambda: tpudist.broadcast({"a": f32, "b" if rank == 0 else "c": f32}))
+    out["agree_after_cached"] = tpudist.all_reduce(np.float32(rank + 1))
     # A peer that never arrives: rank 1 skips this collective; rank 0's error names it.
     start = time.monotonic()
     if rank == 0:
@@ -101,6 +115,11 @@ def mismatch() -> list[dict]:
     ("dtype", ["all_gather", "dtypes", "float32", "int32"]),
     ("op", ["all_reduce", "op", "'sum'", "'max'"]),
     ("count", ["number of values", "1", "2"]),
+    ("cached_dtype", ["all_reduce", "dtypes", "float32", "int32"]),
+    ("cached_shape", ["all_reduce", "shapes", "(4,)", "(2, 2)"]),
+    ("new_on_one", ["all_reduce", "dtypes", "float32", "float64"]),
+    ("keys", ["all_reduce", "structure", "'a'", "'b'", "'c'"]),
+    ("broadcast_keys", ["broadcast", "structure", "'b'", "'c'"]),
 ])
 def test_peers_disagreeing_is_an_error_on_every_rank(mismatch, case, words):
     for rank, result in enumerate(mismatch):
@@ -109,7 +128,12 @@ def test_peers_disagreeing_is_an_error_on_every_rank(mismatch, case, words):
         assert f"rank {rank} on" in message and f"rank {1 - rank}'s" in message, message
         for w in words:
             assert w in message, (rank, w, message)
-        assert result["agree_after"] == np.float32(3)
+        assert result["agree_after"] == np.float32(3) and result["agree_after_cached"] == np.float32(3)
+
+
+def test_a_signature_new_to_one_rank_disagrees_at_once(mismatch):
+    for result in mismatch:
+        assert result["new_on_one_seconds"] < 6, result["new_on_one"]  # the collective timeout is 6 s
 
 
 def test_missing_peer_times_out_naming_the_rank(mismatch):

@@ -2,7 +2,9 @@
 
 What a user relies on: the root cause is the first failure the launcher observed (never a process it
 was stopping itself), the launcher's exit status follows from the outcome, and --max-restarts runs a
-failed job again exactly as often as asked, never an interrupted one.
+failed job again exactly as often as asked, never an interrupted one, and under --restart-on infra
+(the default) only after a failure of the machine, the network or someone outside the job, never after
+the program's own error, saying so.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import signal
 import pytest
 
 from tpudist.launch._report import ending_table, failure_table, restart_table
-from tpudist.launch.attempt import LOST_EXIT, Attempt, Exit, Outcome, Phase, Restarts
+from tpudist.launch.attempt import LOST_EXIT, Attempt, Exit, Outcome, Phase, Restarts, failure_cause
 from tpudist.launch.clusters import Cluster, Host
 from tpudist.launch.config import ProcessOptions
 from tpudist.launch.plan import Ports, build_plan
@@ -157,7 +159,7 @@ def test_restarts_run_a_failed_job_again_exactly_max_restarts_times(limit):
     while True:
         attempt = _running(number=restarts.used)
         runs += 1
-        attempt.exited(attempt.number, 0, Exit(code=4))
+        attempt.exited(attempt.number, 0, Exit(signal=signal.SIGKILL))  # the OOM killer, say
         attempt.begin_stop()
         for rank in (1, 2, 3):
             attempt.exited(attempt.number, rank, TERM)
@@ -168,7 +170,7 @@ def test_restarts_run_a_failed_job_again_exactly_max_restarts_times(limit):
         assert restarts.used == runs
         assert restart_table(result, restarts).startswith(
             f"tpudist: attempt {runs} failed; restarting ({runs}/{limit} restarts)")
-    assert runs == limit + 1 and result.exit_status == 4
+    assert runs == limit + 1 and result.exit_status == 128 + signal.SIGKILL
 
 
 def test_restarts_are_not_used_on_success_or_interrupt():
@@ -183,3 +185,63 @@ def test_restarts_are_not_used_on_success_or_interrupt():
     for rank in range(4):
         stopped.exited(0, rank, TERM)
     assert not restarts.take(stopped.result()) and restarts.used == 0
+
+
+def _failed(how, rank: int = 1, number: int = 0):
+    """An attempt whose `rank` failed by `how` (an Exit, or "lost": its host's connection dropped)."""
+    attempt = _running(number=number)
+    if how == "lost":
+        attempt.host_lost(attempt.states[rank].plan.worker, "SSH connection lost")
+    else:
+        attempt.exited(number, rank, how)
+    attempt.begin_stop()
+    for s in attempt.states:
+        if not s.done:
+            attempt.exited(number, s.plan.rank, TERM)
+    return attempt.result()
+
+
+INFRA = {  # the cause's text, as the restart's headline gives it
+    "lost": "rank 0's host 10.0.0.2 was lost (host agent gone: SSH connection lost)",  # ranks 0, 1 there
+    Exit(signal=signal.SIGKILL): "rank 1 was killed by SIGKILL (the OOM killer, a preemption or a kill -9)",
+    Exit(signal=signal.SIGTERM): "rank 1 was killed by SIGTERM (sent from outside the launcher: a preemption?)",
+    Exit(code=42): "rank 1 exited 42 (asks to be restarted)",
+    Exit(code=137): "rank 1 exited 137 (128+9: a signal)",
+}
+PROGRAM = {
+    Exit(code=1): "rank 1 exited 1 (an error in the program)",
+    Exit(code=3): "rank 1 exited 3 (an error in the program)",
+    Exit(code=127, error="python3.99: command not found"): "rank 1 could not start (python3.99: command not found)",
+}
+
+
+@pytest.mark.parametrize("how", list(INFRA), ids=str)
+def test_infra_failures_restart_by_default_and_name_their_cause(how):
+    result = _failed(how)
+    assert failure_cause(result).text == INFRA[how]
+    restarts = Restarts(2)
+    assert restarts.take(result) and restarts.causes == [INFRA[how]]
+    assert restart_table(result, restarts).splitlines()[0] == (
+        f"tpudist: attempt 1 failed; restarting (1/2 restarts): {INFRA[how]}")
+
+
+@pytest.mark.parametrize("how", list(PROGRAM), ids=str)
+def test_the_programs_own_error_restarts_only_under_restart_on_any_and_says_so(how):
+    result = _failed(how)
+    infra = Restarts(2)
+    assert not infra.take(result) and infra.used == 0
+    assert infra.refusal(result) == f"not restarting: {PROGRAM[how]}; --restart-on any restarts it"
+    anything = Restarts(2, on="any")
+    assert anything.take(result) and anything.causes == [PROGRAM[how]] and anything.refusal(result) == ""
+
+
+def test_the_last_table_says_how_many_restarts_happened_and_why_no_more():
+    restarts = Restarts(2)
+    assert restarts.take(_failed(Exit(signal=signal.SIGKILL), number=0))
+    assert restarts.take(_failed("lost", number=1))
+    last = _failed(Exit(code=42), number=2)
+    assert not restarts.take(last) and restarts.used == 2
+    assert ending_table(last).splitlines()[0] == (
+        "tpudist: the job failed; every other process was stopped (attempt 3, after 2 restarts)")
+    assert restarts.refusal(last) == "not restarting: all 2 restarts of --max-restarts 2 are used"
+    assert Restarts(0).refusal(last) == ""  # none asked for: nothing to explain

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
 import textwrap
+import threading
 import time
 
 import pytest
@@ -265,6 +268,107 @@ def test_output_flood_arrives_line_for_line(sshd, tmp_path, marker, nothing_left
         assert len(out) == n + 3
     assert took < 90, took
     assert nothing_left(), _pids_of(marker)
+
+
+def test_a_dropped_ssh_connection_restarts_the_job_over_a_new_one(sshd, marker, nothing_left):
+    # Before: the restarted attempt sent its Start to the lost host's dead session and waited forever.
+    code = ("import os, time; a = os.environ['TPUDIST_RESTART']; print('ready', a, os.environ['RANK'], "
+            "flush=True); time.sleep(600 if a == '0' else 0)")
+    proc = start_launcher(*_flags(sshd, marker, "--max-restarts", "1"), "--", "python", "-c", code, marker)
+    try:
+        wait_lines(proc, 2, b"ready 0", timeout=90)
+        worker1 = [p for p in _pids_of(marker) if _env(p).get(b"TPUDIST_HOST") == b"127.0.0.3"
+                   and _env(p).get(b"RANK") == b"1"]
+        t0 = time.monotonic()
+        os.kill(_ppid(_ppid(worker1[0])), signal.SIGKILL)  # worker -> agent -> its sshd session
+        assert proc.wait(timeout=60) == 0
+        took = time.monotonic() - t0
+        out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+        assert "ready 1 0" in out and "ready 1 1" in out, out  # both hosts ran the second attempt
+        assert ("tpudist: attempt 1 failed; restarting (1/1 restarts): rank 1's host 127.0.0.3 was lost "
+                "(host agent gone: SSH connection lost)") in err, err
+        assert "tpudist: the job succeeded on attempt 2, after 1 restart" in err, err
+        assert took < 30, took
+        assert nothing_left(timeout=10), _pids_of(marker)
+    finally:
+        proc.kill()
+
+
+def test_an_interpreter_hung_at_startup_leaves_nothing_after_start_timeout(sshd, tmp_path, marker, nothing_left):
+    # A stand-in interpreter stuck before the agent runs (as one blocked on a dead NFS import), with
+    # a child: the agent's own watchdogs never start, so the launcher must kill what it started.
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexport CHAOS_MARKER={marker}\nsleep 600 &\nexec sleep 601\n")
+    python.chmod(0o755)
+    t0 = time.monotonic()
+    r = launch(*_flags(sshd, marker, "--python", str(python), "--start-timeout", "3"), "--", "true", timeout=60)
+    took = time.monotonic() - t0
+    err = r.stderr.decode()
+    assert r.returncode == 255, err
+    assert "no agent report within --start-timeout 3 s from 127.0.0.2, 127.0.0.3: " in err, err
+    assert f"the agent command ({python} -m tpudist.launch.agent) runs there but the agent never reported" in err
+    assert took < 20, took
+    assert nothing_left(timeout=2.0), f"left on the hosts after --start-timeout: {_pids_of(marker)}"
+
+
+class _StallAfterBanner(threading.Thread):
+    """A TCP server on a loopback address that sends an SSH banner, then nothing (an overloaded sshd)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.create_server((address, 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+
+    def run(self) -> None:
+        try:
+            while True:
+                conn, _ = self.sock.accept()
+                conn.sendall(b"SSH-2.0-x\r\n")
+                self.held.append(conn)
+        except OSError:  # closed
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("timeout", [2, 16])  # 16: past paramiko's own 15 s for the key exchange
+def test_a_host_that_stalls_after_its_banner_is_named_after_connect_timeout(tmp_path, timeout):
+    server = _StallAfterBanner("127.0.0.9")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        r = launch("--hosts", f"127.0.0.9:{server.port}", "--known-hosts", str(tmp_path / "known_hosts"),
+                   "--connect-timeout", str(timeout), "--", "true", timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    err = r.stderr.decode()
+    assert r.returncode == 255, err
+    assert (f"host 127.0.0.9:{server.port} (" in err and "the SSH server sent its banner (SSH-2.0-x) and then "
+            f"stalled in the key exchange; gave up after --connect-timeout {timeout} s") in err, err
+    assert timeout <= took < timeout + 6, took
+
+
+def test_the_changed_host_key_hint_removes_the_host_port_entry(sshd, tmp_path):
+    # The fixture's hosts listen on a port other than 22: known_hosts holds them as [host]:port.
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "old")], check=True)
+    old_key = " ".join((tmp_path / "old.pub").read_text().split()[:2])
+    known = tmp_path / "known_hosts"
+    entry = f"[127.0.0.2]:{sshd.port}"
+    known.write_text(f"{entry} {old_key}\n")
+    flags = [str(known) if f == str(sshd.known_hosts) else f for f in sshd.launcher_flags(1)]
+    r = launch(*flags, "--", "true", timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 255 and "differs from the one in" in err, err
+    hint = re.search(r"`(ssh-keygen -R [^`]+)`", err)[1]
+    assert hint == f"ssh-keygen -R '{entry}' -f {known}", hint
+    subprocess.run(hint, shell=True, check=True, capture_output=True, timeout=30)
+    left = subprocess.run(["ssh-keygen", "-F", entry, "-f", str(known)], capture_output=True, timeout=30)
+    assert not left.stdout.strip(), f"the hint left the old key in place: {left.stdout.decode()}"
 
 
 def _env(pid: int) -> dict[bytes, bytes]:

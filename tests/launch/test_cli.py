@@ -33,16 +33,57 @@ def test_command_after_double_dash_is_kept_verbatim_even_if_it_looks_like_flags(
 
 
 @pytest.mark.parametrize("value, fragment", [
-    ("NOEQUALS", "has no '='"),
-    ("1ABC=x", "'1ABC' is not a valid variable name"),
-    ("A-B=x", "'A-B' is not a valid variable name"),
-    ("=x", "'' is not a valid variable name"),
-    ("RANK=3", "RANK is set by the launcher"),
+    ("TPUDIST_TEST_UNSET_NAME", "TPUDIST_TEST_UNSET_NAME is not set in the launcher's environment"),
+    ("MY_TOKEN hunter2", "'MY_TOKEN ...' is not a valid variable name"),
+    ("1ABC=hunter2", "'1ABC' is not a valid variable name"),
+    ("A-B=hunter2", "'A-B' is not a valid variable name"),
+    ("=hunter2", "'' is not a valid variable name"),
+    ("RANK=hunter2", "RANK is set by the launcher"),
 ])
-def test_bad_env_values_are_refused_naming_the_value(value, fragment):
+def test_bad_env_values_are_refused_naming_the_variable_never_its_value(value, fragment):
     with pytest.raises(ValueError) as e:
         parse_args(["--env", value, "--", "true"])
-    assert fragment in str(e.value) and repr(value) in str(e.value)
+    assert fragment in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_env_name_alone_passes_the_launchers_own_value(monkeypatch):
+    monkeypatch.setenv("TPUDIST_TEST_TOKEN", "s3cr3t=x y")
+    assert parse_args(["--env", "TPUDIST_TEST_TOKEN", "--", "true"]).procs.env == {"TPUDIST_TEST_TOKEN": "s3cr3t=x y"}
+
+
+def test_env_file_lines_comments_quotes_and_errors_with_line_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FROM_LAUNCHER", "mine")
+    path = tmp_path / "job.env"
+    path.write_text("# a comment\n\nA=1\nexport B = two words \nC=\"quoted # not a comment\"\n"
+                    "D='x'\nE=a=b\nFROM_LAUNCHER\nA=again\n")
+    env = parse_args(["--env-file", str(path), "--env", "E=cli", "--", "true"]).procs.env
+    assert env == {"A": "again", "B": "two words", "C": "quoted # not a comment", "D": "x", "E": "cli",
+                   "FROM_LAUNCHER": "mine"}
+    path.write_text("OK=1\n# fine\nMY_API_KEY hunter2\n")
+    with pytest.raises(ValueError) as e:
+        parse_args(["--env-file", str(path), "--", "true"])
+    assert f"--env-file {path} line 3: 'MY_API_KEY ...' is not a valid variable name" in str(e.value)
+    assert "hunter2" not in str(e.value)
+    path.write_text("RANK=1\n")
+    with pytest.raises(ValueError, match="line 1: RANK is set by the launcher"):
+        parse_args(["--env-file", str(path), "--", "true"])
+    with pytest.raises(ValueError, match="--env-file .*missing.env: cannot read it"):
+        parse_args(["--env-file", str(tmp_path / "missing.env"), "--", "true"])
+
+
+def test_dry_run_masks_secret_looking_values_and_warns_about_secrets_in_argv(tmp_path):
+    (tmp_path / "job.env").write_text("HF_TOKEN=hf_abc123\nDB_Password=pw456\nPLAIN=visible\n")
+    env = {**os.environ, "WANDB_API_KEY": "wandb789"}
+    r = launch("--env-file", str(tmp_path / "job.env"), "--env", "WANDB_API_KEY", "--env", "MY_SECRET=argv000",
+               "--dry-run", "--", "python", "t.py", env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    for secret in (b"hf_abc123", b"pw456", b"wandb789", b"argv000"):
+        assert secret not in r.stdout and secret not in r.stderr
+    shown = json.loads(r.stdout)["processes"][0]["env"]
+    assert [shown[k] for k in ("HF_TOKEN", "DB_Password", "WANDB_API_KEY", "MY_SECRET", "PLAIN")] == [
+        "<hidden>", "<hidden>", "<hidden>", "<hidden>", "visible"]
+    assert b"warning: the value of --env MY_SECRET=... is in this command line" in r.stderr
+    assert b"WANDB_API_KEY=" not in r.stderr  # given by name: nothing to warn about
 
 
 def test_env_values_keep_every_character():
@@ -165,13 +206,17 @@ def test_dry_run_asks_glibc_for_huge_pages_unless_the_user_decides():
     assert tunables(TPUDIST_HUGEPAGES="0") == {None}
 
 
-def test_dry_run_local_uses_loopback_and_distinct_free_ports():
+def test_dry_run_local_uses_loopback_and_a_private_coordinator_socket():
     procs = _plan("--nproc-per-host", "2")
     env = procs[0]["env"]
     assert env[contract.MASTER_ADDR] == "127.0.0.1"
-    assert env[contract.COORDINATOR].startswith("127.0.0.1:")
-    assert env[contract.COORDINATOR].split(":")[1] != env[contract.MASTER_PORT]
+    # one host: the JAX coordinator is a Unix socket (only the job's user can open it), no TCP port
+    assert env[contract.COORDINATOR] == "unix:/tmp/tpudist-dry-run-0.sock"
+    assert env[contract.JAX_COORDINATOR_ADDRESS] == env[contract.JAX_COORDINATOR_BIND_ADDRESS]
+    assert env[contract.JAX_COORDINATOR_ADDRESS] == env[contract.COORDINATOR]
     assert [p["rank"] for p in procs] == [0, 1]
+    r = launch("--coordinator-port", "5555", "--dry-run", "--", "true")
+    assert r.returncode == 0 and b"--coordinator-port 5555 is not used: a one-host job's JAX coordinator" in r.stderr
 
 
 def test_dry_run_venv_and_conda_choices(tmp_path):

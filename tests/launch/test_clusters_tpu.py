@@ -368,5 +368,5 @@ def test_seed_command_line_dry_run_on_a_v4_32_slice(gcloud, monkeypatch):
         assert env["TPU_WORKER_HOSTNAMES"] == "10.130.0.9,10.130.0.3,10.130.0.7,10.130.0.5"
         assert env["TPU_ACCELERATOR_TYPE"] == "v4-32" and env["PJRT_DEVICE"] == "TPU"
         assert (env["TPU_HOST_BOUNDS"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("1,1,4", "2,2,1")
-        assert env["TPUDIST_COORDINATOR"].startswith("10.130.0.9:")  # worker 0's internal address
+        assert env["TPUDIST_COORDINATOR_GATE"].startswith("10.130.0.9:")  # worker 0's internal address
         assert (env["RANK"], env["WORLD_SIZE"]) == (str(p["rank"]), "4")

@@ -166,7 +166,7 @@ def test_the_agent_ends_on_a_signal_arriving_at_any_moment():
 
 def test_max_restarts_runs_the_job_again_with_the_attempt_number(marker):
     code = ("import os; a = os.environ['TPUDIST_RESTART']; print('attempt', a, 'rank', os.environ['RANK']); "
-            "raise SystemExit(3 if a == '0' and os.environ['RANK'] == '1' else 0)")
+            "raise SystemExit(42 if a == '0' and os.environ['RANK'] == '1' else 0)")  # 42: restart me
     r = launch("--nproc-per-host", "2", "--max-restarts", "2", "--", "python", "-c", code, marker, timeout=90)
     assert r.returncode == 0, r.stderr.decode()
     out = r.stdout.decode()
@@ -178,7 +178,7 @@ def test_a_restarted_attempt_outlives_the_previous_attempts_stop_grace(marker):
     # Attempt 0 fails at once and is stopped with a 1 s grace; attempt 1 starts well inside that
     # second and runs past it: the first stop's delayed SIGKILL must not reach it.
     code = ("import os, time; a = os.environ['TPUDIST_RESTART']\n"
-            "if a == '0': raise SystemExit(3 if os.environ['RANK'] == '1' else time.sleep(30))\n"
+            "if a == '0': raise SystemExit(42 if os.environ['RANK'] == '1' else time.sleep(30))\n"
             "time.sleep(2.5); print('attempt', a, 'rank', os.environ['RANK'], 'done', flush=True)")
     r = launch("--nproc-per-host", "2", "--max-restarts", "1", "--stop-grace", "1", "--",
                "python", "-c", code, marker, timeout=90)
@@ -188,8 +188,8 @@ def test_a_restarted_attempt_outlives_the_previous_attempts_stop_grace(marker):
 
 
 def test_exhausted_restarts_report_the_last_failure(marker):
-    r = launch("--max-restarts", "1", "--", "python", "-c", "raise SystemExit(5)", marker, timeout=90)
-    assert r.returncode == 5
+    r = launch("--max-restarts", "1", "--", "python", "-c", "raise SystemExit(42)", marker, timeout=90)
+    assert r.returncode == 42
     assert r.stderr.decode().count("<- root cause") == 2  # one table per failed attempt
 
 

@@ -106,3 +106,20 @@ def test_a_stale_lock_file_stops_a_local_launch(tpu, tmp_path):
     lockfile.unlink()
     assert launch("--", "python", "-c", "import sys; open(sys.argv[1], 'w')", str(ran), env=env).returncode == 0
     assert wait_until(ran.exists, timeout=5)
+
+
+def test_a_pinned_coordinator_port_in_use_stops_the_launch_before_any_host_is_touched():
+    # Nothing listens for SSH on 127.0.0.3/4 here: the check comes first, so the error is the port's.
+    import socket
+    import time
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.3", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        r = launch("--hosts", "127.0.0.3,127.0.0.4", "--coordinator-port", str(port), "--", "true", timeout=60)
+        took = time.monotonic() - start
+    assert r.returncode == 2, r.stderr.decode()
+    assert f"--coordinator-port {port} is in use on 127.0.0.3: another job's JAX coordinator".encode() in r.stderr
+    assert b"Pass another --coordinator-port, or none" in r.stderr and took < 10

@@ -80,6 +80,14 @@ def test_one_process_per_worker_gets_the_worker_variables_only():
         "TPU_HOST_BOUNDS": "1,1,4",
         "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
         "PJRT_DEVICE": "TPU",
+        # TorchTPU's (see test_torch_tpu_env.py): the worker as JobSet's index, the chip grid, and
+        # every worker's slice-builder address per chip.
+        "JOB_COMPLETION_INDEX": "2",
+        "TORCH_TPU_TOPOLOGY": "2,2,4",
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(
+            f"{ip}:{8070 + d}" for ip in ("10.0.0.9", "10.0.0.3", "10.0.0.7", "10.0.0.5") for d in range(4)),
+        "TORCH_TPU_BASE_PORT": "8070",
+        "TORCH_TPU_DEVICES_PER_HOST": "4",
     }
     assert tpu_process_env(cluster, 2, 0, 1) == env == worker_env(cluster, 2)
     assert default_nproc_per_host(cluster) == 1

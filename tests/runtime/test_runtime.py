@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -112,3 +115,70 @@ def rank_one_fails() -> None:
 def test_run_on_mesh_reports_the_failing_rank_assertion():
     with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed:.*AssertionError: rank one is wrong"):
         run_on_mesh(rank_one_fails, nprocs=2)
+
+
+def coordinator_listeners() -> list[str]:
+    """The local addresses listening on this job's coordinator port (from /proc/net/tcp*)."""
+    port = int(os.environ["TPUDIST_COORDINATOR"].rsplit(":", 1)[1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(addr)
+                    # the kernel prints each 32-bit word in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    ip = ipaddress.ip_address(raw)
+                    found.append(str(getattr(ip, "ipv4_mapped", None) or ip))  # gRPC: ::ffff:127.0.0.1
+    tpudist.barrier()
+    return found
+
+
+def test_rank_0_serves_the_coordinator_on_the_job_address_not_every_interface():
+    # tpudist.spawn advertises 127.0.0.1; JAX's default would listen on [::] (every interface).
+    listeners = run_on_mesh(coordinator_listeners, nprocs=2)[0]
+    assert listeners == ["127.0.0.1"], listeners
+
+
+_RANK0 = "import tpudist; tpudist.init()"
+
+
+@pytest.mark.parametrize("reuseport", [False, True], ids=["a-program", "another-coordinator"])
+def test_a_taken_coordinator_port_is_named_at_init_not_reported_as_a_timeout(reuseport):
+    # JAX's gRPC server binds with SO_REUSEPORT: a second coordinator would share another job's port.
+    with socket.socket() as held:
+        if reuseport:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**{k: v for k, v in os.environ.items() if k not in contract.ALL}, "RANK": "0", "WORLD_SIZE": "2",
+               "TPUDIST_COORDINATOR": f"127.0.0.1:{port}", "TPUDIST_INIT_TIMEOUT": "10", "TPUDIST_CPU_DEVICES": "1"}
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", _RANK0], env=env, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - start
+    assert out.returncode == 1
+    assert f"rank 0 on 127.0.0.1: the JAX coordinator's port {port} is already in use on 127.0.0.1" in out.stderr, \
+        out.stderr[-2000:]
+    assert "--coordinator-port" in out.stderr and took < 10, took
+
+
+def test_the_coordinator_binds_where_the_other_hosts_reach_it(caplog):
+    from tpudist import _coordinator
+
+    def job(coordinator: str, num_workers: int = 2) -> contract.JobEnv:
+        return contract.JobEnv(rank=0, world_size=2, local_rank=0, local_world_size=1, coordinator=coordinator,
+                               num_workers=num_workers)
+
+    assert _coordinator.bind_address(job("127.0.0.1:1234"), {}) == "127.0.0.1:1234"
+    assert _coordinator.bind_address(job("unix:/tmp/x.sock"), {}) == "unix:/tmp/x.sock"
+    assert _coordinator.bind_address(job("127.0.0.1:1234"), {"JAX_COORDINATOR_BIND_ADDRESS": "[::]:99"}) == "[::]:99"
+    # A name that resolves to loopback here is something else to the other hosts: every interface.
+    assert _coordinator.bind_address(job("localhost:1234"), {}) == "[::]:1234"
+    assert _coordinator.bind_address(job("localhost:1234", num_workers=1), {}) == "localhost:1234"
+    # An address that is not this host's (a NAT address given in --hosts): every interface, said so.
+    with caplog.at_level("WARNING", logger="tpudist"):
+        assert _coordinator.bind_address(job("192.0.2.1:1234"), {}) == "[::]:1234"
+    assert "192.0.2.1 is not an address of this host" in caplog.text

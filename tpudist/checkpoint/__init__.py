@@ -6,6 +6,7 @@
     handle = tpudist.checkpoint.save("/ckpt/run1", 200, state, wait=False)   # writes in the background
     step, state = tpudist.checkpoint.restore("/ckpt/run1", like=state)       # latest step, like's shardings
     tpudist.checkpoint.latest_step("/ckpt/run1")                     # 200, or None
+    tpudist.checkpoint.latest_step("/ckpt/run1", verify=True)        # the newest whose checksums hold
 
 A state is a pytree whose leaves are jax arrays (sharded or not: `ShardedEmbedding` tables are
 written and read shard by shard, never gathered), numpy arrays and scalars, Python numbers, bools

@@ -10,6 +10,11 @@ A directory that was never renamed is not a step: `latest_step` and `restore` sk
 next save's manager deletes it. Saves are asynchronous underneath (orbax copies the arrays to host
 memory, then writes and commits in a background thread); `save(wait=True)` waits for the commit.
 
+Every step also holds `_CHECKSUMS`, the size and CRC32 of each of its files, written before the
+commit (see _verify); `restore` checks them before it reads, each process its share of the files,
+and `latest_step(verify=True)` skips steps that fail. A save that fails removes its temporary
+directory, so a full disk does not stay full of a step that will never commit.
+
 Restoring reads with orbax's PyTree handler directly instead of through `CheckpointManager.restore`,
 whose closing barrier would keep the processes that read their shards waiting until a timeout
 when another process failed: here every process posts its outcome to the job's key-value store and
@@ -21,8 +26,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -31,7 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tpudist import _runtime, contract
-from tpudist.checkpoint import _tree
+from tpudist.checkpoint import _tree, _verify
 
 log = logging.getLogger("tpudist.checkpoint")
 
@@ -112,17 +119,47 @@ def _interrupted(path: str) -> str:
     return f" (interrupted saves left {left}, never committed)" if left else ""
 
 
-def latest_step(directory: str | os.PathLike) -> int | None:
+def latest_step(directory: str | os.PathLike, *, verify: bool = False) -> int | None:
     """The newest committed step in `directory`, or None when it holds none or does not exist.
 
-    A save interrupted before its commit does not count. Needs no other process. Example::
+    A save interrupted before its commit does not count. With `verify=True` a step counts only
+    when every file of it matches the checksums written at its save (this reads the whole step;
+    a step that fails is logged with the file and skipped, so the answer is the newest step a
+    `restore` will accept); by default only the step's name is looked at. Needs no other process.
+    Example::
 
-        start = tpudist.checkpoint.latest_step(ckpt_dir)
+        start = tpudist.checkpoint.latest_step(ckpt_dir, verify=True)
         if start is not None:
-            start, state = tpudist.checkpoint.restore(ckpt_dir, like=state)
+            start, state = tpudist.checkpoint.restore(ckpt_dir, like=state, step=start)
     """
-    found = _steps(_path(directory))
-    return found[-1] if found else None
+    path = _path(directory)
+    for step in reversed(_steps(path)):
+        if not verify:
+            return step
+        problem = _verified(path, step)
+        if problem is None:
+            return step
+        log.warning("latest_step(%s, verify=True): skipping step %d: %s", path, step, problem)
+    return None
+
+
+def _item(path: str, step: int) -> epath.Path:
+    return epath.Path(path) / _NAMES.build_name(step) / _ITEM
+
+
+def _verified(path: str, step: int, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with step `step` (this process's share of its files), or None."""
+    item = _item(path, step)
+    if not item.is_dir():
+        return f"it has no {_ITEM!r} directory ({item}); it is not a checkpoint that tpudist.checkpoint.save wrote"
+    if not (item / "_METADATA").exists():
+        return f"its tree metadata {item / '_METADATA'} is missing"
+    try:
+        return _verify.verify(os.fspath(item), rank, world, on_unverified=lambda: log.warning(
+            "%s step %d has no checksums (written by orbax directly or an older tpudist): read "
+            "unverified", path, step))
+    except ValueError as e:
+        return str(e)
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -152,7 +189,23 @@ def _finish(d: _Directory) -> None:
     try:
         d.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - re-raised with the path and step
-        raise CheckpointError(f"saving step {step} to {d.path} failed: {e}") from e
+        raise _save_failed(d.path, step, e) from e
+
+
+def _save_failed(path: str, step: int | None, e: BaseException) -> CheckpointError:
+    """The error for a failed save, once its temporary directory is gone: left behind, it would
+    keep a full disk full and fail every later save too. The step was not committed (the rename
+    that commits it needs every process to succeed), so nothing of it is worth keeping."""
+    removed = []
+    if step is not None and os.path.isdir(path):
+        prefix = _NAMES.build_name(step) + _TMP
+        for name in os.listdir(path):
+            if name == prefix or name.startswith(prefix + "-"):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+                removed.append(name)
+    note = f"; removed its temporary directory {removed[0]}" if removed else ""
+    return CheckpointError(f"saving step {step} to {path} failed: {_trim(str(e))}{note}. Steps saved "
+                           "before it are intact; free space (or fix the cause) and save again")
 
 
 def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Directory:
@@ -171,7 +224,12 @@ def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Direc
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             barrier_sync_key_prefix="tpudist-" + hashlib.sha1(path.encode()).hexdigest()[:12]),
     )
-    d = _Directory(path, ocp.CheckpointManager(path, options=options), keep, timeout)
+    # orbax's PyTree handler plus the checksums (_verify), for every PyTreeSave to this directory.
+    handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handlers.add(None, ocp.args.PyTreeSave, _verify.ChecksummingHandler(
+        multiprocessing_options=options.multiprocessing_options))
+    d = _Directory(path, ocp.CheckpointManager(path, options=options, handler_registry=handlers),
+                   keep, timeout)
     state.directories[path] = d
     return d
 
@@ -214,7 +272,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, *, wait: bool = Tr
         try:
             started = d.manager.save(step, args=ocp.args.PyTreeSave(tree), force=True)
         except Exception as e:  # noqa: BLE001 - re-raised with the path and step
-            raise CheckpointError(f"saving step {step} to {path} failed: {e}") from e
+            raise _save_failed(path, step, e) from e
         if not started:
             raise CheckpointError(f"orbax declined to save step {step} to {path}")
         d.in_flight = step
@@ -278,7 +336,10 @@ def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
     result: tuple[int, Any] | None = None
     error: BaseException | None = None
     try:
-        result = _restore_here(path, like, step)
+        # Each process checks its share of the files; _agree tells every process of a failure.
+        shared = _runtime.kv_client() is not None
+        result = _restore_here(path, like, step, job.job.rank if shared else 0,
+                               job.job.world_size if shared else 1)
     except Exception as e:  # noqa: BLE001 - shared with the other processes, then raised
         error = e
     _agree(job, f"restore/{call}", f"restoring {path}", error, timeout)
@@ -286,7 +347,7 @@ def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
     return result
 
 
-def _restore_here(path: str, like: Any, step: int | None) -> tuple[int, Any]:
+def _restore_here(path: str, like: Any, step: int | None, rank: int, world: int) -> tuple[int, Any]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory {path}")
     found = _steps(path)
@@ -298,20 +359,19 @@ def _restore_here(path: str, like: Any, step: int | None) -> tuple[int, Any]:
         raise FileNotFoundError(f"{path} has no committed step {step}; its steps are {found}"
                                 f"{_interrupted(path)}")
     where = f"{path} step {step}"
-    item = epath.Path(path) / _NAMES.build_name(step) / _ITEM
-    if not item.is_dir():
-        raise CheckpointError(f"{where} has no {_ITEM!r} directory ({item}); it is not a checkpoint "
-                              "that tpudist.checkpoint.save wrote")
+    item = _item(path, step)
+    problem = _verified(path, step, rank, world)
+    if problem is not None:
+        raise CheckpointError(f"{where} is incomplete or corrupt: {problem}. Nothing was loaded; "
+                              f"restore an earlier step (step=N; latest_step({path!r}, verify=True) "
+                              f"names the newest that verifies) or delete step {step}")
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        if not (item / "_METADATA").exists():
-            raise CheckpointError(f"{where} is incomplete: its tree metadata {item / '_METADATA'} "
-                                  "is missing")
         try:
             metadata = handler.metadata(item)
         except Exception as e:  # noqa: BLE001 - re-raised with the path
-            raise CheckpointError(f"{where} is corrupt: cannot read its tree metadata in {item} "
-                                  f"({_reason(e)})") from e
+            raise CheckpointError(f"{where} is corrupt: cannot read its tree metadata "
+                                  f"{item / '_METADATA'}: {_reason(e)}") from e
         _tree.check(metadata.tree, like, where)
         _tree.block_until_ready(like)
         target, restore_args = _tree.restore_plan(like)
@@ -329,10 +389,20 @@ def _reason(e: BaseException) -> str:
     reading "w/0.0" in OCDBT database ...`), without TensorStore's spec dump."""
     chain: list[BaseException] = []
     while e is not None and len(chain) < 8:
-        chain.append(e)
+        if isinstance(e, json.JSONDecodeError):  # json's own cause is a bare StopIteration(347)
+            return f"it is truncated or not valid JSON ({e})"
+        if not isinstance(e, StopIteration):
+            chain.append(e)
         e = e.__cause__ or e.__context__
+    if not chain:
+        return "unknown error"
     deepest = next((x for x in reversed(chain) if str(x).strip()), chain[0])
-    text = str(deepest).split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
+    return _trim(str(deepest))
+
+
+def _trim(text: str) -> str:
+    """`text` without TensorStore's spec dump, on one line."""
+    text = text.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
     return " ".join(text.split())
 
 

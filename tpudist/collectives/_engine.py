@@ -3,9 +3,18 @@
 Every process contributes one block (its value) on its first local device. The participating
 devices form a (group, slot) mesh: row g holds the processes of replica group g, so a collective
 over the "slot" axis runs inside each group and every process gets its own group's result. Each
-signature (collective, parameters, groups, shapes, dtypes) is checked with the peers
-(`_peers.Peers`) and compiled the first time a process meets it, and then kept as one record
-(`_Signature`): its executable, its inputs' sharding and its staging buffers.
+signature (collective, parameters, groups, shapes, dtypes) is compiled the first time a process
+meets it and kept as one record (`_Signature`): its executable, its inputs' sharding and its
+staging buffers.
+
+Peers agree on every call, cached signatures included, inside the same executable: each process
+brings a header (its rank, the call's sequence number and a fingerprint of the call's signature,
+pytree structure included) that the executable all-gathers before anything else, and the
+collective itself runs only where every header agrees (`lax.cond`); otherwise every process gets
+the table of headers back and raises a CollectiveError naming both sides (`_peers.Peers.mismatch`).
+Executables of different signatures all start with the same header exchange, so processes that
+called different collectives still meet there instead of mixing float bits with int bits or
+aborting in gloo.
 
 One engine serves one job: `engine()` builds a new one when the process has joined another job
 (`tpudist.shutdown()` then `tpudist.init()`), since the old one's executables, devices and
@@ -15,6 +24,7 @@ key-value store belong to the job that ended.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import socket
@@ -24,12 +34,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpudist import _profile, _runtime, contract
-from tpudist._jaxcompat import assemble, import_buffer
-from tpudist.collectives._peers import CollectiveError, CollectiveTimeout, Peers
+from tpudist import _profile, _runtime, _stacks, contract
+from tpudist._jaxcompat import assemble, import_buffer, varying_axes
+from tpudist.collectives import _lax
+from tpudist.collectives._peers import CollectiveError, Peers
 
 log = logging.getLogger("tpudist.collectives")
 
@@ -126,16 +139,10 @@ class Engine:
             key = _key(op, groups, blocks)
             signature = self._signatures.get(key)
             if signature is None:
-                deadline = time.monotonic() + self.peers.timeout
-                try:
-                    with _profile.span(f"tpudist.peer_check[{op.name}]", collective=seq):
-                        self.peers.check(seq, op.name, _described(op, groups, blocks), deadline)
-                except CollectiveTimeout:
-                    self._broken = f"{op.name} (collective #{seq}) timed out"  # sequence now out of step
-                    raise
                 with _profile.span(f"tpudist.compile_collective[{op.name}]"):
                     signature = self._signatures[key] = self._compile(op, groups, blocks)
-            return self._execute(op, seq, signature.executable, signature.inputs(blocks, self.device))
+            check = _Check(op, groups, blocks, _fingerprint(key, op.detail))
+            return self._execute(check, seq, signature, signature.inputs(blocks, self.device))
 
     def repeat(self, op: Op, groups: tuple[tuple[int, ...], ...],
                blocks: list[np.ndarray]) -> tuple[Callable[[Callable[[], Any]], list[jax.Array]],
@@ -144,25 +151,28 @@ class Engine:
         `call(fill)` runs it again after `fill()` has written the values into `hosts` (the staging
         arrays, shaped like `blocks`), skipping the lookups. None when there is no such staging.
 
-        Peers were checked when the signature was new; every call still takes a sequence number
-        and the lock, like `run`.
+        Every call still takes a sequence number and the lock, and its peers' agreement is
+        checked in the executable, like `run`.
         """
-        signature = self._signatures.get(_key(op, groups, blocks))
+        key = _key(op, groups, blocks)
+        signature = self._signatures.get(key)
         staging = signature.staging if signature is not None else None
         if staging is None:
             return None
+        check = _Check(op, groups, blocks, _fingerprint(key, op.detail))
 
         def call(fill: Callable[[], Any]) -> list[jax.Array]:
             with self._lock:
                 seq = self._next_seq()
                 fill()
-                return self._execute(op, seq, signature.executable, staging.inputs)
+                return self._execute(check, seq, signature, staging.inputs)
         return call, staging.hosts
 
     def barrier(self, timeout: float | None = None) -> None:
         """Waits until every process reaches this barrier, or raises CollectiveTimeout."""
         with self._lock:
             self.seq += 1
+            _stacks.entered("barrier")
             self.peers.barrier(self.seq, timeout)
 
     def _next_seq(self) -> int:
@@ -172,18 +182,31 @@ class Engine:
         self.seq += 1
         return self.seq
 
-    def _execute(self, op: Op, seq: int, executable: Any, inputs: list[jax.Array]) -> list[jax.Array]:
-        """Runs `executable` on `inputs` (lock held); turns failures into the job's errors."""
+    def _execute(self, check: _Check, seq: int, signature: _Signature,
+                 inputs: list[jax.Array]) -> list[jax.Array]:
+        """Runs `signature`'s executable on `inputs` (lock held) after the header exchange;
+        turns failures and disagreements into the job's errors."""
+        name = check.op.name
         self.stats.calls += 1
+        _stacks.entered(name)  # the hang report's "last collective"; a shared-memory write
         start = time.monotonic()
         try:
             # XLA's gloo collectives enforce the deadline themselves (init() sets
             # --xla_cpu_collective_timeout_seconds); small ones even run inside this call.
-            outs = [o.addressable_data(0) for o in executable(*inputs)]
+            if signature.header is None:
+                outs = [o.addressable_data(0) for o in signature.executable(*inputs)]
+            else:
+                header = signature.header.fill(self.rank, seq, check.fingerprint)
+                table, *outs = [o.addressable_data(0) for o in signature.executable(header, *inputs)]
             jax.block_until_ready(outs)
         except Exception as e:  # noqa: BLE001 - XlaRuntimeError, re-raised with the job's facts
-            self._broken = f"{op.name} (collective #{seq}) failed"
-            raise self.peers.failure(seq, op.name, e, time.monotonic() - start) from e
+            self._broken = f"{name} (collective #{seq}) failed"
+            raise self.peers.failure(seq, name, e, time.monotonic() - start) from e
+        if signature.header is not None:
+            rows = np.asarray(table).reshape(-1, _HEADER)
+            if (rows[:, 1:] != rows[0, 1:]).any():
+                raise self.peers.mismatch(seq, name, rows, _described(check.op, check.groups, check.blocks),
+                                          time.monotonic() + self.peers.timeout)
         return outs
 
     def _compile(self, op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> _Signature:
@@ -191,15 +214,71 @@ class Engine:
         sharding = NamedSharding(Mesh(devices, (GROUP, SLOT)), _SPEC)
         lead = devices.shape
         avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
-        fn = jax.shard_map(lambda *xs: list(op.body(list(xs), lead[1])), mesh=sharding.mesh,
-                           in_specs=tuple(_SPEC for _ in blocks), out_specs=[_SPEC] * len(blocks))
+        checked = self.n > 1  # a single process has no peer to disagree with
+        if checked:
+            avals.insert(0, jax.ShapeDtypeStruct(lead + (_HEADER,), np.int32, sharding=sharding))
+            body = _agreed(op, lead, self.device.platform)
+        else:
+            body = lambda *xs: list(op.body(list(xs), lead[1]))  # noqa: E731
+        fn = jax.shard_map(body, mesh=sharding.mesh, in_specs=tuple(_SPEC for _ in avals),
+                           out_specs=[_SPEC] * len(avals))
         start = time.perf_counter()
         executable = jax.jit(fn).lower(*avals).compile()
         seconds = time.perf_counter() - start
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         log.debug("compiled %s%s for %s in %.3fs", op.name, dict(op.params), [a.shape for a in avals], seconds)
-        return _Signature(executable, sharding, lead)
+        signature = _Signature(executable, sharding, lead)
+        if checked:
+            signature.header = _Header.build(signature, self.device)
+        return signature
+
+
+# The header each process brings to every eager collective: rank, sequence number, and the two
+# 32-bit halves of the signature's fingerprint.
+_HEADER = 4
+
+
+def _agreed(op: Op, lead: tuple[int, int], platform: str) -> Callable[..., list[jax.Array]]:
+    """The executable's body: all-gather every process's header, then run `op` only where all of
+    them agree (skipped by every process alike otherwise: each sees the same table)."""
+    n = lead[0] * lead[1]
+    exchange = "doubling" if platform == "cpu" and n & (n - 1) == 0 else "native"
+
+    def body(header: jax.Array, *xs: jax.Array) -> list[jax.Array]:
+        rows = _lax.gather(header[0, 0], 0, (GROUP, SLOT), exchange).reshape(n, _HEADER)
+        agree = jnp.all(rows[:, 1:] == rows[0, 1:])
+
+        def run(values: list[jax.Array]) -> list[jax.Array]:
+            return [_varying(o) for o in op.body(values, lead[1])]
+        shapes = jax.eval_shape(run, list(xs))
+        outs = lax.cond(agree, run, lambda _: [_varying(jnp.zeros(s.shape, s.dtype)) for s in shapes], list(xs))
+        return [_varying(rows.reshape((1, 1, n * _HEADER)))] + outs
+    return body
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """`x` marked as varying over both mesh axes, as the executable's out_specs say."""
+    missing = tuple(a for a in (GROUP, SLOT) if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """What a call's header and, on a disagreement, its error are made of."""
+
+    op: Op
+    groups: tuple[tuple[int, ...], ...]
+    blocks: list[Any]
+    fingerprint: tuple[int, int]
+
+
+def _fingerprint(key: Any, detail: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
+    """Two int32 words that differ, but for a 2**-64 chance, between calls peers must not mix.
+    The key's and detail's reprs are the same in every process of a job (one Python, one numpy)."""
+    digest = hashlib.blake2b(repr((key, detail)).encode(), digest_size=8).digest()
+    hi, lo = np.frombuffer(digest, np.int32)
+    return int(hi), int(lo)
 
 
 def _key(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> Any:
@@ -225,6 +304,7 @@ class _Signature:
 
     def __init__(self, executable: Any, sharding: NamedSharding, lead: tuple[int, int]) -> None:
         self.executable, self.sharding, self.lead = executable, sharding, lead
+        self.header: _Header | None = None
         self.staging: _Staging | None = None
         self._staging_tried = False
 
@@ -281,6 +361,28 @@ class _Staging:
         for host, value in zip(self.hosts, values):
             np.copyto(host, value)
         return self.inputs
+
+
+class _Header:
+    """The header input of one signature's executable: a host array shared with XLA where it can
+    be (written in place each call, like `_Staging`), else a fresh device copy per call."""
+
+    def __init__(self, signature: _Signature, device: Any, host: np.ndarray, shared: jax.Array | None) -> None:
+        self.signature, self.device, self.host, self.shared = signature, device, host, shared
+
+    @classmethod
+    def build(cls, signature: _Signature, device: Any) -> _Header:
+        host = _aligned((1, 1, _HEADER), np.dtype(np.int32))
+        block = import_buffer(host, device)
+        if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
+            return cls(signature, device, host, None)
+        return cls(signature, device, host, signature.global_array(block))
+
+    def fill(self, rank: int, seq: int, fingerprint: tuple[int, int]) -> jax.Array:
+        self.host[0, 0] = (rank, seq & 0x7FFFFFFF, *fingerprint)
+        if self.shared is not None:
+            return self.shared
+        return self.signature.global_array(jax.device_put(self.host, self.device))
 
 
 def _aligned(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

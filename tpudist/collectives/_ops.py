@@ -161,6 +161,8 @@ def _eager_run(name: str, params: dict[str, Any], x: Any, groups: Any,
     norm = normalize_groups(groups, eng.n)
     if check is not None:
         check(descs, len(norm[0]))
+    if leaves[0] is not x and not detail:  # a pytree: its structure (dict keys too) is agreed on
+        detail = (("structure", str(treedef)),)
     op = Op(name, tuple(sorted(params.items())), body, detail)
     # jax values stay XLA buffers (a staged one could come back as the staging buffer itself).
     small = (eng.device.platform == "cpu" and sum(d.nbytes for d in descs) <= STAGE_MAX_BYTES
@@ -285,7 +287,7 @@ def _coalesced_all_reduce(leaves: list[Any], treedef: Any, params: dict[str, Any
     for i, d in enumerate(descs):
         by_dtype.setdefault(d.dtype, []).append(i)
     packed = [np.concatenate([_convert.flat_numpy(leaves[i], descs[i]) for i in idx]) for idx in by_dtype.values()]
-    detail = (("number of values", len(leaves)), ("value shapes", [list(d.shape) for d in descs]),
+    detail = (("number of values", len(leaves)), ("structure", str(treedef)), ("value shapes", [list(d.shape) for d in descs]),
               ("value dtypes", [str(d.dtype) for d in descs]))
     reduced = _eager("all_reduce", params, packed, groups, body, check, detail, traced=False)
     results: list[Any] = [None] * len(leaves)

@@ -1,8 +1,10 @@
 """What one process knows of its peers: whether they called the same collective, and which of them
 never came. Mismatches and missing peers become errors rather than hangs:
 
-- the first time a process sees a signature, it publishes it in the coordinator's key-value store
-  and compares it with every peer's at the same position in the sequence of collectives;
+- every call's executable exchanges a header (rank, sequence number, signature fingerprint) first
+  and runs the collective only where all agree (`_engine`); where they do not, each process
+  publishes its signature in the coordinator's key-value store and reads the differing peer's, so
+  the error names the field and both values;
 - XLA's gloo collectives time out after TPUDIST_COLLECTIVE_TIMEOUT seconds (init() passes it as
   --xla_cpu_collective_timeout_seconds); a process that timed out records its arrival in the
   key-value store and reads its peers', so the message names the ranks that never came.
@@ -39,33 +41,37 @@ class Peers:
         self.me = f"rank {rank} on {host}"  # how every message names this process
         self.timeout = timeout
 
-    def check(self, seq: int, name: str, mine: dict[str, Any], deadline: float) -> None:
-        """Publishes collective #`seq`'s signature `mine` and compares it with every peer's.
+    def mismatch(self, seq: int, name: str, rows: Any, mine: dict[str, Any], deadline: float) -> CollectiveError:
+        """The error for collective #`seq`, whose header exchange found peers that disagree.
 
-        CollectiveError names the first field that differs; CollectiveTimeout, the ranks that did
-        not publish theirs by `deadline` (time.monotonic()), after which this process's sequence of
-        collectives is out of step with its peers'.
+        `rows` holds every process's header (rank, sequence number, fingerprint), `mine` this
+        call's signature field by field. Every process that disagrees publishes its signature in
+        the key-value store and reads the first differing peer's (until `deadline`), so both sides
+        name the same field.
         """
-        if self.kv is None:
-            return
-        base = f"{self.prefix}/sig/{seq}/"
-        self.kv.key_value_set(base + str(self.rank), json.dumps(mine))
-        for r in range(self.n):
-            if r == self.rank:
-                continue
-            left_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
-            try:
-                theirs = json.loads(self.kv.blocking_key_value_get(base + str(r), left_ms))
-            except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                raise self.timeout_error(seq, name, self._absent(base),
-                                         "checking the collective's signature") from None
-            for field, value in mine.items():
-                if theirs.get(field) != value:
-                    raise CollectiveError(
-                        f"{self.me}: {name} (collective #{seq}) {field} {_show(value)} differs "
-                        f"from rank {r}'s {_show(theirs.get(field))}; every process must call the "
-                        "same collectives in the same order with the same shapes, dtypes and "
-                        "parameters")
+        base = f"{self.prefix}/sig/"
+        self.kv.key_value_set(f"{base}{seq & 0x7FFFFFFF}/{self.rank}", json.dumps(mine))
+        me = next(row for row in rows if int(row[0]) == self.rank)
+        other = next(row for row in rows if tuple(row[1:]) != tuple(me[1:]))
+        r, their_seq = int(other[0]), int(other[1])
+        rule = ("every process must call the same collectives in the same order with the same "
+                "structures, shapes, dtypes and parameters")
+        head = f"{self.me}: {name} (collective #{seq})"
+        if their_seq != int(me[1]):
+            return CollectiveError(f"{head} met rank {r}'s collective #{their_seq}: the processes have "
+                                   f"called different numbers of collectives; {rule}")
+        left_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
+        try:
+            theirs = json.loads(self.kv.blocking_key_value_get(f"{base}{their_seq}/{r}", left_ms))
+        except Exception:  # noqa: BLE001 - the coordination service's timeout error
+            return CollectiveError(f"{head}: rank {r} called a different collective (its signature "
+                                   f"did not arrive to say which); {rule}")
+        for field in list(mine) + [f for f in theirs if f not in mine]:
+            if theirs.get(field) != mine.get(field):
+                return CollectiveError(f"{head} {field} {_show(mine.get(field))} differs from rank {r}'s "
+                                       f"{_show(theirs.get(field))}; {rule}")
+        return CollectiveError(f"{head}: rank {r} called it with a signature that hashes differently "
+                               f"but reads the same ({mine}); {rule}")
 
     def failure(self, seq: int, name: str, error: Exception, seconds: float) -> CollectiveError:
         """The job's error for collective #`seq`, whose execution raised `error` after `seconds`:

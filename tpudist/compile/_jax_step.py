@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpudist import _profile
+from tpudist import _profile, _stacks
 
 log = logging.getLogger("tpudist.compile")
 
@@ -194,6 +194,7 @@ class CompiledStep:
     def _call(self, args: tuple) -> Any:
         executable, dynamic = self._prepare(args)
         self.stats.calls += 1
+        _stacks.entered("compiled step")  # progress for the launcher's --hang-timeout
         with _stats_lock:
             _totals.calls += 1
         if self._serialize:

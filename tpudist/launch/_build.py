@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from tpudist import _proc
+from tpudist.launch._preflight import coordinator_port_refusal
 from tpudist.launch.config import LaunchConfig
 from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json
 from tpudist.launch.clusters import Cluster, choose_cluster, verdicts
@@ -24,6 +25,11 @@ def build(config: LaunchConfig) -> Cluster:
                   file=sys.stderr)
     cluster = choose_cluster(config.cluster)
     plan = build_plan(config.procs, cluster, Ports(1, 2), job_id="check")
+    if not config.job.dry_run and (busy := coordinator_port_refusal(config, cluster)):
+        raise ValueError(busy)
+    if config.job.coordinator_port and len(cluster.hosts) == 1:
+        print(f"tpudist: --coordinator-port {config.job.coordinator_port} is not used: a one-host job's JAX "
+              "coordinator is a Unix socket only your user can open (docs/launcher.md)", file=sys.stderr)
     ranks = config.output.ranks
     if ranks and max(ranks) >= len(plan):
         raise ValueError(f"--ranks-filter {config.output.ranks_text}: the job has ranks 0..{len(plan) - 1}")

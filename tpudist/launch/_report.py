@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from tpudist.launch.attempt import AttemptResult, Outcome, Restarts
+from tpudist.launch.attempt import AttemptResult, Outcome, ProcState, Restarts
 from tpudist.launch.clusters import Host
 
 
@@ -33,27 +33,53 @@ def failure_table(result: AttemptResult, *, headline: str = "") -> str:
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     root = result.root
-    if root is not None:
+    if result.hang:  # --hang-timeout: every rank's stacks, the culprit's root cause line in it
+        lines.append(result.hang)
+    elif root is not None:
         lines.append(f"root cause (first observed failure): rank {root.plan.rank} on {root.plan.host.address} "
                      f"(worker {root.plan.worker}): {root.describe()}")
         lines.extend("  " + t.decode(errors="replace") for t in root.tail)
+        if root.signal == signal.SIGKILL and not root.stopping:
+            lines.append("  " + sigkill_hint(root))
     return "\n".join(lines)
+
+
+def sigkill_hint(state: ProcState) -> str:
+    """Under a rank that SIGKILL ended while the launcher was not stopping it: memory, most often."""
+    host = state.plan.host.address
+    where = "" if host in ("127.0.0.1", "localhost") else f"ssh {host} "
+    return (f"hint: SIGKILL came from outside the job: on Linux most often the kernel's OOM killer (the host "
+            f"ran out of memory), else an administrator or a scheduler. Check `{where}dmesg -T | grep -i "
+            "oom` (or journalctl -k) and the process's memory use; lower it (batch size, processes per "
+            "host) if memory ran out")
 
 
 def ending_table(result: AttemptResult) -> str:
     """The table a failed or interrupted job ends with, under a headline saying which."""
     if result.outcome is Outcome.INTERRUPTED:
         headline = f"tpudist: stopped by {signal.Signals(result.interrupt).name}; every process was stopped"
+    elif result.hang:
+        headline = (f"tpudist: the job hung (exit status {result.exit_status}); every process was stopped"
+                    + _after_restarts(result))
     else:
         headline = ("tpudist: the job failed; every other process was stopped"
-                    + (f" (attempt {result.number + 1})" if result.number else ""))
+                    + _after_restarts(result))
     return failure_table(result, headline=headline)
 
 
+def _after_restarts(result: AttemptResult) -> str:
+    """The headline's note on an attempt after the first, each earlier one having been restarted:
+    " (attempt 3, after 2 restarts)"."""
+    n = result.number
+    return f" (attempt {n + 1}, after {n} restart{'s' if n > 1 else ''})" if n else ""
+
+
 def restart_table(result: AttemptResult, restarts: Restarts) -> str:
-    """The table of a failed attempt that is run again (`restarts` already counts this restart)."""
+    """The table of a failed attempt that is run again (`restarts` already counts this restart), with
+    the cause that let --restart-on run it again."""
     return failure_table(result, headline=(f"tpudist: attempt {result.number + 1} failed; restarting "
-                                           f"({restarts.used}/{restarts.limit} restarts)"))
+                                           f"({restarts.used}/{restarts.limit} restarts): "
+                                           + restarts.causes[-1]))
 
 
 def version_skew(versions: Mapping[int, Mapping[str, str]], hosts: Sequence[Host]) -> list[str]:

@@ -15,6 +15,7 @@ import dataclasses
 import getpass
 import logging
 import os
+import shlex
 import socket
 import threading
 import time
@@ -123,20 +124,31 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
     where = f"host {host} ({target.user}@{target.hostname}:{target.port})"
     t = opts.connect_timeout
     t0 = time.monotonic()
+    transports: list[paramiko.Transport] = []
+
+    def transport(sock, **kw) -> paramiko.Transport:
+        # paramiko waits 15 s for the key exchange whatever the other timeouts say
+        made = paramiko.Transport(sock, **kw)
+        made.handshake_timeout = t
+        transports.append(made)
+        return made
+
     try:
         sock = paramiko.ProxyCommand(target.proxy_command) if target.proxy_command else None
         client.connect(target.hostname, port=target.port, username=target.user,
                        key_filename=list(target.keys) or None, look_for_keys=not opts.key,
                        allow_agent=True, timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
-                       sock=sock)
+                       sock=sock, transport_factory=transport)
     except SshError:
         client.close()
         raise
     except paramiko.BadHostKeyException as e:
         client.close()
+        # `name`, as known_hosts has it: `[host]:port` unless the port is 22
         raise SshError(f"{where}: its host key ({_fingerprint(e.key)}) differs from the one in "
                        f"{target.known_hosts}. This can be an attack; if the host was reinstalled, remove "
-                       f"the old key with `ssh-keygen -R {e.hostname} -f {target.known_hosts}`.") from None
+                       f"the old key with `ssh-keygen -R {shlex.quote(name)} -f "
+                       f"{shlex.quote(target.known_hosts)}`.") from None
     except paramiko.AuthenticationException as e:
         client.close()
         raise SshError(_auth_failed(where, target, e)) from None
@@ -145,8 +157,10 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         reasons = sorted({err.strerror or str(err) for err in e.errors.values()})
         raise SshError(f"{where}: cannot connect: {'; '.join(reasons)}. Is sshd running there and "
                        "the port right (--ssh-port, host:port, ~/.ssh/config)?") from None
-    except (socket.timeout, TimeoutError):
+    except (socket.timeout, TimeoutError) as e:
         client.close()
+        if stalled := _after_banner(where, transports, time.monotonic() - t0, t, e):
+            raise SshError(stalled) from None
         raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is the host up "
                        "and its SSH port reachable?") from None
     except socket.gaierror as e:
@@ -154,6 +168,8 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         raise SshError(f"{where}: cannot resolve {target.hostname}: {e.strerror}") from None
     except (OSError, EOFError, paramiko.SSHException) as e:
         client.close()
+        if stalled := _after_banner(where, transports, time.monotonic() - t0, t, e):
+            raise SshError(stalled) from None
         # The port answered TCP but no SSH server spoke in time (paramiko words this several ways).
         if "protocol banner" in str(e) or time.monotonic() - t0 >= t * 0.9:
             raise SshError(f"{where}: no SSH answer within --connect-timeout {t:g} s; is an SSH server "
@@ -163,6 +179,22 @@ def connect(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> paramik
         detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         raise SshError(f"{where}: cannot connect: {detail}") from None
     return client
+
+
+def _after_banner(where: str, transports: list[paramiko.Transport], took: float, t: float,
+                  error: BaseException) -> str:
+    """What went wrong when the server sent its SSH banner but the key exchange never finished ("":
+    it did finish, or no banner came)."""
+    kex = transports[0] if transports else None
+    if kex is None or not kex.remote_version or kex.initial_kex_done:
+        return ""
+    if took >= t * 0.9:  # an overloaded sshd (MaxStartups), a middlebox holding the connection
+        return (f"{where}: the SSH server sent its banner ({kex.remote_version}) and then stalled in the key "
+                f"exchange; gave up after --connect-timeout {t:g} s. Is the host overloaded, or something "
+                "between here and there holding the connection?")
+    detail = str(error) or type(error).__name__
+    return (f"{where}: the SSH server sent its banner ({kex.remote_version}) and then closed the connection "
+            f"during the key exchange ({detail}); its sshd log says why (MaxStartups, no common algorithm).")
 
 
 def _auth_failed(where: str, target: Target, error: Exception) -> str:

@@ -1,7 +1,8 @@
 """Starting the per-host agents: over SSH, in parallel with a bounded fan-out, or as a local process.
 
-The only shell string ever run on a host is the fixed agent command,
-`exec '<python>' -m tpudist.launch.agent`, with the interpreter path shell-quoted. Everything else
+The only shell strings ever run on a host are the fixed agent command,
+`echo $$; exec '<python>' -m tpudist.launch.agent`, with the interpreter path shell-quoted, and,
+for an agent that never reported, `kill -KILL -- -<its pid>`. Everything else
 (the control port, the job token, later the processes' argv and env) travels as data: the bootstrap
 line on the agent's stdin (`tpudist.launch.control.Bootstrap`), then the gRPC control plane.
 
@@ -16,11 +17,13 @@ partial failure is data, and the caller decides (the supervisor closes everythin
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from tpudist.launch.config import SshOptions
 from tpudist.launch.plan import coordinator_host
@@ -30,8 +33,16 @@ AGENT_MODULE = "tpudist.launch.agent"
 
 
 def agent_command(python: str) -> str:
-    """The fixed shell command that starts the agent on a host."""
-    return f"exec {shlex.quote(python)} -m {AGENT_MODULE}"
+    """The fixed shell command that starts the agent on a host. It first prints its pid, which is its
+    process group's (sshd starts each command in a session of its own): an interpreter that hangs
+    before the agent's own watchdogs run is killed through it (`SshAgent.kill`)."""
+    return f"echo $$; exec {shlex.quote(python)} -m {AGENT_MODULE}"
+
+
+def kill_command(pid: int) -> str:
+    """SIGKILL to the process group an agent command started (or, failing that, to its pid)."""
+    assert isinstance(pid, int) and pid > 1
+    return f"kill -KILL -- -{pid} 2>/dev/null || kill -KILL {pid}"
 
 
 def reach_address(cluster: Cluster, ssh: SshOptions) -> str:
@@ -76,6 +87,11 @@ class AgentHandle:
         """Closes the agent's stdin and connection; an agent still running then stops by itself."""
         raise NotImplementedError
 
+    def kill(self, timeout_s: float) -> None:
+        """SIGKILL to everything the agent command started, for an agent that never reported (its
+        interpreter hung at startup, before the agent could watch its stdin or its parent)."""
+        raise NotImplementedError
+
 
 class _StderrTail:
     """Keeps the last bytes an agent wrote to stderr."""
@@ -116,6 +132,12 @@ class LocalAgent(AgentHandle):
 
     def stderr_text(self) -> str:
         return self._tail.text()
+
+    def kill(self, timeout_s: float) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the group is its pid
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:
@@ -164,6 +186,35 @@ class SshAgent(AgentHandle):
             self._tail.add(self.channel.recv_stderr(4096))
         return self._tail.text()
 
+    def _remote_pid(self, timeout_s: float) -> int | None:
+        """The pid the agent command printed first on its stdout (nothing else writes there)."""
+        data = b""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in data and time.monotonic() < deadline and not self.channel.closed:
+            if self.channel.recv_ready():
+                data += self.channel.recv(64)
+            else:
+                time.sleep(0.01)
+        first = data.split(b"\n", 1)[0].strip()
+        return int(first) if first.isdigit() and int(first) > 1 else None
+
+    def kill(self, timeout_s: float) -> None:
+        import paramiko
+
+        transport = self.client.get_transport()
+        pid = self._remote_pid(timeout_s)
+        if pid is None or transport is None or not transport.is_active():
+            return  # the connection is gone: sshd closed the command's pipes, nothing more can be done
+        try:
+            killer = transport.open_session(timeout=timeout_s)
+            killer.exec_command(kill_command(pid))
+            deadline = time.monotonic() + timeout_s
+            while not killer.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            killer.close()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
     def close(self) -> None:
         try:
             self.channel.shutdown_write()  # stdin EOF: the agent stops its processes and exits
@@ -172,9 +223,16 @@ class SshAgent(AgentHandle):
         self.client.close()
 
 
-def close_agents(agents: Iterable[AgentHandle], timeout_s: float) -> None:
-    """Closes every agent at once (each stops its processes by itself); waits at most `timeout_s`."""
-    closers = [threading.Thread(target=a.close, daemon=True) for a in agents]
+def close_agents(agents: Iterable[AgentHandle], timeout_s: float, kill: Collection[int] = ()) -> None:
+    """Closes every agent at once (each stops its processes by itself); waits at most `timeout_s`.
+    The agents of the workers in `kill` (those that never reported) are SIGKILLed first, with what
+    their command started."""
+    def end(agent: AgentHandle) -> None:
+        if agent.worker in kill:
+            agent.kill(timeout_s / 2)
+        agent.close()
+
+    closers = [threading.Thread(target=end, args=(a,), daemon=True) for a in agents]
     for t in closers:
         t.start()
     deadline = time.monotonic() + timeout_s
@@ -185,8 +243,10 @@ def close_agents(agents: Iterable[AgentHandle], timeout_s: float) -> None:
 def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int, Host, bool], Callable],
                 control_port: Callable[[], int], ssh_options: SshOptions | None = None,
                 on_connected: Callable[[int], None] = lambda w: None,
-                poll: Callable[[], bool] = lambda: False) -> dict[int, AgentHandle | Exception]:
-    """Starts one agent per host, at most `ssh_options.fanout` SSH handshakes at once.
+                poll: Callable[[], bool] = lambda: False,
+                workers: Collection[int] | None = None) -> dict[int, AgentHandle | Exception]:
+    """Starts one agent per host (only on `workers`, if given), at most `ssh_options.fanout` SSH
+    handshakes at once.
 
     `poll()` is called from the calling thread every 0.2 s; returning True cancels the hosts still
     connecting. `on_connected(worker)` is called from a connecting thread.
@@ -233,11 +293,12 @@ def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int,
         return agent
 
     results: dict[int, AgentHandle | Exception] = {}
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(fanout, len(cluster.hosts)),
+    hosts = {w: h for w, h in enumerate(cluster.hosts) if workers is None or w in workers}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(fanout, len(hosts))),
                                                  thread_name_prefix="tpudist-ssh")
-    futures = {pool.submit(start, w, h): w for w, h in enumerate(cluster.hosts)}
+    futures = {pool.submit(start, w, h): w for w, h in hosts.items()}
     # Each handshake step has its own timeout; this bound covers a host stuck between steps.
-    deadline = time.monotonic() + opts.connect_timeout * (3 + len(cluster.hosts) / fanout)
+    deadline = time.monotonic() + opts.connect_timeout * (3 + len(hosts) / fanout)
     pending = set(futures)
     cancelled = False
     while pending and time.monotonic() < deadline and not cancelled:

@@ -1,9 +1,10 @@
 """The launcher's command line: `python -m tpudist.xla_dist [flags] -- command ...` -> `LaunchConfig`.
 
 `parse_args` checks the user's values once and returns the frozen `LaunchConfig` every other part
-reads: `--env K=V` pairs become `config.procs.env` (in order), `--ranks-filter` becomes
-`config.output.ranks`, everything after the first `--` is `config.procs.command`, verbatim. Bad input
-raises ValueError naming the value and the fix (argparse's own errors exit with status 2).
+reads: `--env-file` then `--env` values become `config.procs.env` (in order; `_env.py`),
+`--ranks-filter` becomes `config.output.ranks`, everything after the first `--` is
+`config.procs.command`, verbatim. Bad input raises ValueError naming the value and the fix
+(argparse's own errors exit with status 2).
 
     config = parse_args(["--tpu=my-tpu", "--conda-env=torch-xla-1.6", "--env", "A=1", "--",
                          "python", "train.py", "--lr", "0.1"])
@@ -15,21 +16,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import sys
 from collections.abc import Sequence
 
 from tpudist import contract
-from tpudist.launch.config import (DEFAULT_LOG_PREFIX, DEFAULT_PROFILE_STEPS, PLATFORMS, PREFIX_FIELDS,
-                                   ClusterOptions, JobOptions, LaunchConfig, OutputOptions, ProcessOptions,
-                                   SshOptions)
+from tpudist.launch import _env
+from tpudist.launch.config import RESTART_ON
+from tpudist.launch.config import (DEFAULT_LOG_PREFIX, DEFAULT_PROFILE_STEPS, HANG_ACTIONS, PLATFORMS,
+                                   PREFIX_FIELDS, ClusterOptions, JobOptions, LaunchConfig, OutputOptions,
+                                   ProcessOptions, SshOptions)
 
 PROG = "python -m tpudist.xla_dist"
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The launcher owns these: a user value would give processes a different idea of the job than the
 # launcher's, so `--env` may not set them.
 RESERVED_ENV = (contract.RANK, contract.WORLD_SIZE, contract.LOCAL_RANK, contract.LOCAL_WORLD_SIZE,
                 contract.WORKER, contract.NUM_WORKERS, contract.JOB_ID, contract.RESTART, contract.STOP_GRACE,
-                contract.NUM_SLICES, contract.SLICE_ID, contract.PROFILE_DIR)
+                contract.NUM_SLICES, contract.SLICE_ID, contract.PROFILE_DIR, contract.NNODES, contract.NODE_RANK,
+                contract.JOB_COMPLETION_INDEX)
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -59,8 +62,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     procs.add_argument("--cpu-devices", type=int, metavar="K", help="XLA CPU devices per process (CPU mesh)")
     procs.add_argument("--platform", choices=PLATFORMS,
                        help="the JAX platform (default: tpu on a TPU, cpu with --cpu-devices, else JAX's)")
-    procs.add_argument("--env", action="append", default=[], metavar="K=V",
-                       help="set K=V for every process (repeatable)")
+    procs.add_argument("--env", action="append", default=[], metavar="K=V|K",
+                       help="set K=V for every process, or K to pass the launcher's own value of K "
+                            "(keeps a secret out of the command line; repeatable)")
+    procs.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                       help="KEY=VALUE lines (# comments; KEY alone: the launcher's value) for every "
+                            "process; --env wins (repeatable)")
     procs.add_argument("--workdir", metavar="DIR", help="processes' working directory (default: this one)")
     py = procs.add_mutually_exclusive_group()
     py.add_argument("--venv", metavar="PATH", help="run agent and processes in this virtualenv on every host")
@@ -92,13 +99,26 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     job.add_argument("--stop-grace", type=float, default=JobOptions.stop_grace, metavar="S",
                      help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)g)")
     job.add_argument("--max-restarts", type=int, default=JobOptions.max_restarts, metavar="N",
-                     help="restart the job after a failure")
-    job.add_argument("--coordinator-port", type=int, metavar="PORT", help="JAX coordinator port (default: a free one)")
+                     help="run the whole job again after a failure, up to N times")
+    job.add_argument("--restart-on", choices=RESTART_ON, default=JobOptions.restart_on,
+                     help="which failures restart: infra (a lost host or SSH connection, a signal such as "
+                          "SIGKILL or a preemption's SIGTERM, exit 42 or 128+) or any (also the program's "
+                          "own errors, e.g. exit 1) (default %(default)s)")
+    job.add_argument("--coordinator-port", type=int, metavar="PORT",
+                     help="JAX coordinator port of a multi-host job, checked free before the launch "
+                          "(default: a free one; a one-host job uses a private Unix socket)")
     job.add_argument("--master-port", type=int, metavar="PORT", help="MASTER_PORT (default: a free one)")
     job.add_argument("--dry-run", action="store_true", help="print the plan as JSON and start nothing")
     job.add_argument("--skip-preflight", action="store_true",
                      help="start even if a host's TPU is held by another process or its libtpu lock "
                           "file is stale")
+    job.add_argument("--hang-timeout", type=float, metavar="S",
+                     help="when no rank made progress (a line of output, an eager collective) for S "
+                          "seconds, print every rank's Python stacks in one table (SIGQUIT to the "
+                          "launcher prints it at any time)")
+    job.add_argument("--hang-action", choices=HANG_ACTIONS, default="stop",
+                     help="after that table: stop the job (exit status 124) or let it run on "
+                          "(default %(default)s)")
 
     out = p.add_argument_group("output")
     out.add_argument("--log-prefix", default=DEFAULT_LOG_PREFIX, metavar="TEMPLATE",
@@ -113,21 +133,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-def parse_env(values: Sequence[str]) -> dict[str, str]:
-    """`["K=V", ...]` -> {K: V}. K must be a variable name; V is kept byte for byte."""
-    env: dict[str, str] = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--env {item!r} has no '='; write --env NAME=VALUE")
-        if not _NAME_RE.match(name):
-            raise ValueError(f"--env {item!r}: {name!r} is not a valid variable name "
-                             "(letters, digits and _, not starting with a digit)")
-        if name in RESERVED_ENV:
-            raise ValueError(f"--env {item!r}: {name} is set by the launcher for each process and "
-                             "cannot be overridden")
-        env[name] = value
-    return env
+def parse_env(values: Sequence[str], files: Sequence[str] = ()) -> dict[str, str]:
+    """--env-file then --env values -> {K: V}, the launcher's own variables refused (see _env.py)."""
+    return _env.parse_env(values, files, reserved=RESERVED_ENV)
 
 
 def parse_ranks(value: str | None) -> frozenset[int] | None:
@@ -176,11 +184,15 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
         command = ns.command
     if not command:
         raise ValueError(f"no command given; write: {PROG} [flags] -- python train.py")
+    for name in _env.secrets_in_argv(ns.env):
+        print(f"{prog}: warning: the value of --env {name}=... is in this command line, which every user "
+              f"of this machine can read (ps); export {name} and pass --env {name}, or use --env-file",
+              file=sys.stderr)
     return LaunchConfig(
         cluster=cluster_options(ns),
         procs=ProcessOptions(
             command=tuple(command), nproc_per_host=ns.nproc_per_host, cpu_devices=ns.cpu_devices,
-            platform=ns.platform, env=parse_env(ns.env),
+            platform=ns.platform, env=parse_env(ns.env, ns.env_file),
             workdir=os.path.abspath(ns.workdir) if ns.workdir else os.getcwd(),
             venv=ns.venv, conda_env=ns.conda_env, python=ns.python,
             profile_dir=os.path.abspath(ns.profile) if ns.profile else None,
@@ -189,7 +201,9 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
                        accept_new=ns.accept_new_host_keys, connect_timeout=ns.connect_timeout,
                        config_path=ns.ssh_config, fanout=ns.fanout),
         job=JobOptions(start_timeout=ns.start_timeout, stop_grace=ns.stop_grace, max_restarts=ns.max_restarts,
+                       restart_on=ns.restart_on,
                        coordinator_port=ns.coordinator_port, master_port=ns.master_port, dry_run=ns.dry_run,
-                       skip_preflight=ns.skip_preflight),
+                       skip_preflight=ns.skip_preflight, hang_timeout=ns.hang_timeout,
+                       hang_action=ns.hang_action),
         output=OutputOptions(log_prefix=ns.log_prefix, log_dir=ns.log_dir, ranks=parse_ranks(ns.ranks_filter),
                              quiet=ns.quiet, verbose=ns.verbose))

@@ -12,7 +12,7 @@ No I/O, clocks or threads here, so every rule is tested directly (tests/launch/t
     assert attempt.phase is Phase.STOP          # a failure: stop every other process
     attempt.begin_stop()                        # ... their exits arrive ...
     result = attempt.result()                   # Outcome.FAILURE, root_rank=1, exit_status=3
-    if restarts.take(result): ...               # run again while --max-restarts allows
+    if restarts.take(result): ...               # run again while --max-restarts and --restart-on allow
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from tpudist.launch.plan import ProcessPlan
 
 LOST_EXIT = 255  # like ssh: the connection to the host was lost
+HANG_EXIT = 124  # like timeout(1): no progress for --hang-timeout, and --hang-action stop
 NO_EXIT_REPORT = "did not report its exit in time"
 
 
@@ -112,6 +113,7 @@ class AttemptResult:
     states: tuple[ProcState, ...]
     root_rank: int | None = None  # the first observed failure (FAILURE only)
     interrupt: int | None = None  # the signal that interrupted it (INTERRUPTED only)
+    hang: str = ""  # the hang report (every rank's stacks) when --hang-timeout ended it
 
     @property
     def root(self) -> ProcState | None:
@@ -123,7 +125,7 @@ class AttemptResult:
         if self.outcome is Outcome.INTERRUPTED:
             return 128 + (self.interrupt or 0)
         if self.outcome is Outcome.FAILURE:
-            return self.root.exit_status()
+            return HANG_EXIT if self.hang else self.root.exit_status()
         return 0
 
 
@@ -137,6 +139,7 @@ class Attempt:
         self.root: int | None = None  # rank of the first observed failure
         self.interrupts: list[int] = []  # signals to the launcher, in order
         self.stopping = False
+        self.hang = ""
 
     # -- what happened ---------------------------------------------------------------------------
 
@@ -158,6 +161,12 @@ class Attempt:
             if s.plan.worker == worker and not s.done:
                 s.lost = f"host agent gone: {reason}"
                 self._note_failure(s)
+
+    def hung(self, rank: int, report: str) -> None:
+        """No progress for --hang-timeout: the attempt fails, `rank` (the likeliest culprit of
+        `report`, every rank's stacks) its root cause."""
+        if self.root is None and not self.stopping:
+            self.root, self.hang = rank, report
 
     def interrupt(self, signum: int) -> None:
         self.interrupts.append(signum)
@@ -207,19 +216,77 @@ class Attempt:
             outcome = Outcome.SUCCESS
         return AttemptResult(self.number, outcome, tuple(self.states),
                              root_rank=self.root if outcome is Outcome.FAILURE else None,
-                             interrupt=self.interrupts[0] if self.interrupts else None)
+                             interrupt=self.interrupts[0] if self.interrupts else None,
+                             hang=self.hang if outcome is Outcome.FAILURE else "")
+
+
+RESTART_EXIT = 42  # a program asks to be run again (as with xpk): it restarts under --restart-on infra
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """Why an attempt failed, as `--restart-on` sees it: `infra` (the machine, the network, someone
+    outside the job: running again may well succeed) or the program's own error."""
+
+    infra: bool
+    text: str  # "rank 1 exited 1 (an error in the program)"
+
+
+def failure_cause(result: AttemptResult) -> Cause:
+    """The cause of a failed attempt, from its root cause: a lost host or SSH connection, death by a
+    signal (SIGKILL: the OOM killer or a preemption; SIGTERM from outside: a preemption), exit 42 or
+    128+ are infra; any other exit status, a hang, or a command that could not start are the program's."""
+    s = result.root
+    assert s is not None, "failure_cause() of an attempt that did not fail"
+    rank = f"rank {s.plan.rank}"
+    if result.hang:
+        return Cause(False, f"{rank} hung (no progress for --hang-timeout)")
+    if s.lost:
+        return Cause(True, f"{rank}'s host {s.plan.host.address} was lost ({s.lost})")
+    if s.error:
+        return Cause(False, f"{rank} could not start ({s.error})")
+    if s.signal:
+        why = {_signal.SIGKILL: "the OOM killer, a preemption or a kill -9",
+               _signal.SIGTERM: "sent from outside the launcher: a preemption?"}.get(s.signal, "")
+        return Cause(True, f"{rank} was killed by {s.describe()}" + (f" ({why})" if why else ""))
+    code = s.exit_status()
+    if code == RESTART_EXIT:
+        return Cause(True, f"{rank} exited {code} (asks to be restarted)")
+    if code >= 128:
+        return Cause(True, f"{rank} exited {code} (128+{code - 128}: a signal)")
+    return Cause(False, f"{rank} exited {code} (an error in the program)")
 
 
 @dataclasses.dataclass
 class Restarts:
-    """The `--max-restarts` budget: a failed attempt runs again while restarts are left."""
+    """The `--max-restarts` budget: a failed attempt runs again while restarts are left and its cause
+    is one `--restart-on` restarts ("infra": see `failure_cause`; "any": every failure)."""
 
     limit: int
+    on: str = "infra"
     used: int = 0
+    causes: list[str] = dataclasses.field(default_factory=list)  # of every restart, in order
 
     def take(self, result: AttemptResult) -> bool:
-        """Uses one restart for a failed (not interrupted) attempt; False when none is left."""
+        """Uses one restart for a failed (not interrupted) attempt; False when none is left or its
+        cause is the program's own under --restart-on infra (`refusal` says why)."""
         if result.outcome is not Outcome.FAILURE or self.used >= self.limit:
             return False
+        cause = failure_cause(result)
+        if not cause.infra and self.on == "infra":
+            return False
         self.used += 1
+        self.causes.append(cause.text)
         return True
+
+    def refusal(self, result: AttemptResult) -> str:
+        """Why a failed attempt is not run again although --max-restarts asked for restarts ("": it
+        is, or none were asked for)."""
+        if result.outcome is not Outcome.FAILURE or not self.limit:
+            return ""
+        if self.used >= self.limit:
+            return f"not restarting: all {self.limit} restarts of --max-restarts {self.limit} are used"
+        cause = failure_cause(result)
+        if not cause.infra and self.on == "infra":
+            return f"not restarting: {cause.text}; --restart-on any restarts it"
+        return ""

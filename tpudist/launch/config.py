@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import paramiko
 
 PLATFORMS = ("cpu", "gpu", "tpu")
+RESTART_ON = ("infra", "any")  # --restart-on: which failures --max-restarts runs the job again after
 DEFAULT_PROFILE_STEPS = (2, 5)  # past the compiling first steps; three steps in the steady state
 
 
@@ -41,6 +42,9 @@ def _check_port(flag: str, value: int | None) -> None:
 def _check_seconds(flag: str, value: float) -> None:
     if value <= 0:
         raise ValueError(f"{flag} {value} must be a positive number of seconds")
+
+
+HANG_ACTIONS = ("stop", "report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +96,8 @@ class ProcessOptions:
     platform: str | None = None
     """`--platform`: "cpu", "gpu" or "tpu"; None: tpu on a TPU slice, cpu with cpu_devices, else JAX's."""
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """`--env K=V` values, in order, set for every process last (read-only)."""
+    """`--env-file` then `--env K=V` / `--env K` values, in order, set for every process last
+    (read-only; never printed where the name looks secret: `_env.looks_secret`)."""
     workdir: str = ""
     """`--workdir DIR`: the processes' working directory; "": the launcher's current directory."""
     venv: str | None = None
@@ -172,21 +177,36 @@ class JobOptions:
     """`--stop-grace S`: seconds between SIGTERM and SIGKILL when processes are stopped."""
     max_restarts: int = 0
     """`--max-restarts N`: run the whole job again after a failure, up to N times."""
+    restart_on: str = "infra"
+    """`--restart-on`: which failures restart: "infra" (a lost host or SSH connection, a signal, exit
+    42 or 128+), or "any" (also a program's own error, e.g. exit 1)."""
     coordinator_port: int | None = None
-    """`--coordinator-port`: the JAX coordinator's port; None: one found free on rank 0's host."""
+    """`--coordinator-port`: the JAX coordinator's port on a multi-host job (a one-host job's is a Unix
+    socket); None: one found free on rank 0's host."""
     master_port: int | None = None
     """`--master-port`: MASTER_PORT for torch; None: one found free on rank 0's host."""
     dry_run: bool = False
     """`--dry-run`: print the plan as JSON and start nothing."""
     skip_preflight: bool = False
     """`--skip-preflight`: start even when a host's TPU is held by another process or locked."""
+    hang_timeout: float | None = None
+    """`--hang-timeout S`: when no rank made progress (a line of output, an eager collective) for S
+    seconds, collect every rank's Python stacks and print them in one table; None: never."""
+    hang_action: str = "stop"
+    """`--hang-action`: "stop" ends the job after the table (exit status 124), "report" lets it run."""
 
     def __post_init__(self) -> None:
         _check_seconds("--start-timeout", self.start_timeout)
         if self.stop_grace < 0:
             raise ValueError(f"--stop-grace {self.stop_grace} must be >= 0")
         _check_at_least("--max-restarts", self.max_restarts, 0)
+        if self.restart_on not in RESTART_ON:
+            raise ValueError(f"--restart-on {self.restart_on!r} must be one of {', '.join(RESTART_ON)}")
         _check_port("--coordinator-port", self.coordinator_port)
+        if self.hang_timeout is not None:
+            _check_seconds("--hang-timeout", self.hang_timeout)
+        if self.hang_action not in HANG_ACTIONS:
+            raise ValueError(f"--hang-action {self.hang_action!r} must be one of {', '.join(HANG_ACTIONS)}")
         _check_port("--master-port", self.master_port)
         if self.coordinator_port and self.coordinator_port == self.master_port:
             raise ValueError(f"--coordinator-port and --master-port are both {self.master_port}; "

@@ -2,8 +2,10 @@
 
 Ranks are numbered in worker order: worker 0's processes first (over several slices, slice-major:
 every host of slice 0, then slice 1, ...). Every process gets the environment contract of
-`tpudist.contract` (rank, sizes, coordinator = rank 0's host), the TPU variables on a TPU slice,
-the `MEGASCALE_*` variables in a job of several slices, what JAX's argument-less
+`tpudist.contract` (rank, sizes, coordinator = a private Unix socket on each host, relayed to rank 0's
+through the agents' gate on a multi-host job), the TPU variables on a TPU slice,
+the `MEGASCALE_*` variables in a job of several slices, torchrun's `NNODES` / `NODE_RANK`
+(`contract.torchrun_environ`), what JAX's argument-less
 `jax.distributed.initialize()` reads (`contract.jax_environ`), the profiling variables under
 `--profile`, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
 environment, `GLIBC_TUNABLES` asking for huge pages (`contract.process_defaults`: not when the
@@ -138,6 +140,22 @@ def coordinator_host(cluster: Cluster, ssh_config_hostname: str | None = None) -
     return host.internal_ip or ssh_config_hostname or host.address
 
 
+def jax_coordinator_for(cluster: Cluster, *, job_id: str, attempt: int, worker: int) -> str:
+    """Where `worker`'s processes reach the JAX coordinator rank 0 serves: a Unix socket only the
+    job's user can open (JAX's coordinator takes no secret: tpudist/_coordinator.py). On a multi-host
+    job each host has its own: worker 0's is rank 0's, the others' are their agent's relay to worker
+    0's gate (`gate_address`)."""
+    if len(cluster.hosts) == 1:
+        return f"unix:/tmp/tpudist-{job_id}-{attempt}.sock"
+    return f"unix:/tmp/tpudist-{job_id}-{attempt}-w{worker}.sock"
+
+
+def gate_address(cluster: Cluster, addr: str, port: int) -> dict[str, str]:
+    """TPUDIST_COORDINATOR_GATE on a multi-host job: worker 0's agent admits the job's own hosts to
+    the coordinator at rank 0's host and `port` (tpudist/launch/agent/_gate.py)."""
+    return {} if len(cluster.hosts) == 1 else {contract.COORDINATOR_GATE: f"{_bracket(addr)}:{port}"}
+
+
 _LIBTPU_PORTS = (8476, 8476 + 64)
 
 
@@ -159,13 +177,13 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
     world_size = sum(counts)
     slices = process_slices(cluster, counts)
     addr = coordinator or coordinator_host(cluster)
-    jax_coordinator = f"{_bracket(addr)}:{ports.coordinator}"
     pyenv = python_env(procs)
     platform = procs.platform or ("tpu" if cluster.accelerator_type else "cpu" if procs.cpu_devices else None)
     cwd = procs.cwd
     plan = []
     rank = 0
     for worker, (host, nproc) in enumerate(zip(cluster.hosts, counts)):
+        jax_coordinator = jax_coordinator_for(cluster, job_id=job_id, attempt=attempt, worker=worker)
         for local_rank in range(nproc):
             env = contract.JobEnv(
                 rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=nproc,
@@ -176,7 +194,9 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
             if cluster.accelerator_type:
                 from tpudist.launch import tpu
                 env.update(tpu.tpu_process_env(cluster, worker, local_rank, nproc))
+            env.update(gate_address(cluster, addr, ports.coordinator))
             env.update(slice_env(cluster.num_slices, slices[rank], addr))
+            env.update(contract.torchrun_environ(worker=worker, num_workers=len(cluster.hosts)))
             env.update(contract.jax_environ(coordinator=jax_coordinator, world_size=world_size, rank=rank,
                                             local_rank=local_rank, cpu_devices=procs.cpu_devices,
                                             environs=(os.environ, procs.env)))
@@ -194,8 +214,12 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
 
 
 def plan_json(plan: list[ProcessPlan]) -> str:
-    """The `--dry-run` output: `{"processes": [{"host", "worker", "slice", "rank", "argv", "env", ...}]}`."""
-    return json.dumps({"processes": [p.to_json() for p in plan]}, indent=2, ensure_ascii=False)
+    """The `--dry-run` output: `{"processes": [{"host", "worker", "slice", "rank", "argv", "env", ...}]}`,
+    the value of every variable whose name looks secret shown as "<hidden>" (`_env.looks_secret`)."""
+    from tpudist.launch._env import masked
+
+    shown = [{**p.to_json(), "env": masked(p.env)} for p in plan]
+    return json.dumps({"processes": shown}, indent=2, ensure_ascii=False)
 
 
 def _bracket(addr: str) -> str:

@@ -6,8 +6,9 @@ attempt.py), then does what the attempt's phase asks:
 
     CONNECTING   agents start on every host in parallel (_transport.open_agents)
     REGISTERING  every agent registers (versions, its TPU preflight; worker 0 also free ports) and
-                 opens its Session; a host whose TPU is busy stops the launch here (_preflight.py)
-    then, per attempt (`Restarts` decides whether a failed attempt runs again):
+                 opens its Session; a host whose TPU is busy stops the launch here (_preflight.py);
+                 both phases are _startup.py's, which runs them again for hosts lost before a restart
+    then, per attempt (`Restarts` decides whether a failed attempt runs again, by its cause):
       RUNNING    lines are printed, exits recorded; a failure, a lost host or Ctrl-C ends it
       STOP       SIGTERM to every process group on every host ...
       STOPPING   ... a grace period, then SIGKILL; wait for every exit
@@ -26,7 +27,6 @@ always takes every agent down, so nothing of the job is left running anywhere.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -34,34 +34,24 @@ import queue
 import secrets
 import signal
 import sys
-import threading
 import time
 
 from tpudist import _proc
+from tpudist.launch._hang import HangWatch, stacks_table
 from tpudist.launch._output import LogSink
-from tpudist.launch._preflight import preflight_paths, refusal
-from tpudist.launch._report import StartStatus, ending_table, restart_table, version_skew
-from tpudist.launch._transport import AgentHandle, close_agents, open_agents, reach_address
+from tpudist.launch._report import StartStatus, ending_table, restart_table
+from tpudist.launch._startup import AgentStartup
+from tpudist.launch._transport import AgentHandle, close_agents, reach_address
 from tpudist.launch._wake import WakeQueue
 from tpudist.launch.attempt import Attempt, AttemptResult, Exit, Outcome, Phase, Restarts
 from tpudist.launch.config import LaunchConfig
-from tpudist.launch.control import Bootstrap
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control._server import AgentReport, ControlEvent, Registered, SessionLost, SessionOpened
-from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, processes_per_host, python_env
+from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, processes_per_host
 from tpudist.launch.clusters import Cluster
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # passed on to every process group of the job
 STOP_MARGIN_S = 3.0  # after the grace period: time for SIGKILL and the exit reports to arrive
-SERVER_START_S = 30.0
-
-
-class LaunchError(Exception):
-    """The job could not be started; the message names the hosts and the fix."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C (or SIGTERM) before the processes ran."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +68,12 @@ class ForwardSignal:
     signum: int
 
 
-Event = ControlEvent | Interrupt | ForwardSignal
+@dataclasses.dataclass(frozen=True)
+class DumpStacks:
+    """SIGQUIT reached the launcher: print every rank's Python stacks; the job runs on."""
+
+
+Event = ControlEvent | Interrupt | ForwardSignal | DumpStacks
 
 
 def process_spec(p: ProcessPlan) -> pb.ProcessSpec:
@@ -90,7 +85,7 @@ def process_spec(p: ProcessPlan) -> pb.ProcessSpec:
         conda_env=p.conda_env or "")
 
 
-class Supervisor:
+class Supervisor(AgentStartup):
     """Runs a job on a resolved cluster: agents, control server, attempts, teardown."""
 
     def __init__(self, config: LaunchConfig, cluster: Cluster) -> None:
@@ -100,12 +95,14 @@ class Supervisor:
         self.token = secrets.token_urlsafe(32)
         self.events: WakeQueue[Event] = WakeQueue()  # put() is safe in a signal handler
         self.server = None  # the ControlServer, started while the hosts connect
+        self.control_port = 0  # its port on 127.0.0.1
         self.agents: dict[int, AgentHandle] = {}
         self.registered: dict[int, pb.RegisterRequest] = {}
         self.sessions: set[int] = set()
         self.connected = 0
         self.attempt: Attempt | None = None
-        self.restarts = Restarts(config.job.max_restarts)
+        self.restarts = Restarts(config.job.max_restarts, on=config.job.restart_on)
+        self.hangs = HangWatch(config.job.hang_timeout)  # --hang-timeout, SIGQUIT: every rank's stacks
         self.interrupts: list[int] = []  # signal numbers, in order
         self.nprocs = sum(processes_per_host(config.procs, cluster))
         tty = sys.stderr.isatty() and sys.stdout.isatty()
@@ -124,80 +121,7 @@ class Supervisor:
                 if not self.restarts.take(result):
                     return self._finish(result)
                 self._print(restart_table(result, self.restarts))
-
-    def _start_server(self, port: concurrent.futures.Future) -> None:
-        """Starts the control server; `port` gets its port, or the error, for the agents' side."""
-        from tpudist.launch.control._server import ControlServer  # grpc: imported while SSH handshakes run
-
-        try:
-            self.server = ControlServer(self.token, self.events, self.job_id)
-            port.set_result(self.server.start())
-        except BaseException as e:
-            port.set_exception(e)
-            raise
-
-    def _connect(self) -> None:
-        """CONNECTING: agents start on every host while the control server starts here."""
-        port: concurrent.futures.Future[int] = concurrent.futures.Future()
-        results: dict = {}
-
-        def connect() -> None:
-            results.update(open_agents(
-                self.cluster, python=python_env(self.config.procs).interpreter,
-                make_bootstrap=_bootstrap_for(self.token, preflight_paths(self.config)),
-                control_port=lambda: _port_of(port),
-                ssh_options=None if self.cluster.local else self.config.ssh,
-                on_connected=self._count_connected, poll=lambda: bool(self.interrupts)))
-
-        # The local agent dials the server directly, so it must be up first; and the local agent's
-        # death signal is tied to the thread that starts it, so it starts here.
-        if self.cluster.local:
-            self._start_server(port)
-            connect()
-        else:
-            connecting = threading.Thread(target=connect, name="tpudist-connect", daemon=True)
-            connecting.start()
-            self._start_server(port)
-            while connecting.is_alive():  # open_agents has its own deadline
-                connecting.join(timeout=0.1)
-                self._show_status()
-        self.agents = {w: r for w, r in results.items() if not isinstance(r, Exception)}
-        self.connected = len(self.agents)
-        if self.interrupts:
-            raise Interrupted()
-        failed = sorted((w, r) for w, r in results.items() if isinstance(r, Exception))
-        if failed:
-            lines = "\n".join(f"  {r}" for _, r in failed)
-            raise LaunchError(f"cannot start the job on {len(failed)} of {len(self.hosts)} hosts:\n{lines}")
-
-    def _await_agents(self) -> None:
-        """REGISTERING: every agent registers and opens its session, within --start-timeout."""
-        timeout = self.config.job.start_timeout
-        deadline = time.monotonic() + timeout
-        want = set(range(len(self.hosts)))
-        next_liveness = 0.0
-        while not (want <= self.sessions and want <= set(self.registered)):
-            if self.interrupts:
-                raise Interrupted()
-            now = time.monotonic()
-            if now > deadline:
-                late = sorted(want - self.sessions)
-                raise LaunchError(f"no agent report within --start-timeout {timeout:g} s from "
-                                  + ", ".join(str(self.hosts[w]) for w in late))
-            # Every agent's SSH channel, a few times a second: each report wakes this loop, and
-            # checking all of them on every wake-up was ~10% of the launcher's Python time at 64 hosts.
-            if now >= next_liveness:
-                next_liveness = now + 0.2
-                if self._dead_agents():
-                    time.sleep(0.5)  # the same problem usually hits every host: name them all at once
-                    python = python_env(self.config.procs).interpreter
-                    raise LaunchError("\n".join(a.describe_failure(python) for a in self._dead_agents()))
-            self._drain(timeout=0.1)
-            self._show_status()
-        for warning in version_skew({w: r.versions for w, r in self.registered.items()}, self.hosts):
-            self._print(warning)
-        if busy := refusal({w: r.tpu for w, r in self.registered.items()}, self.hosts):
-            raise LaunchError(busy)
+                self._reconnect()  # hosts whose agent or SSH connection was lost
 
     def _start_attempt(self) -> Attempt:
         probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[0].free_ports)
@@ -210,10 +134,12 @@ class Supervisor:
             self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)
             self.sink.before_first_line = self.status.stop
         self.attempt = Attempt(plan, number=self.restarts.used)
+        self.hangs.restart(time.monotonic())
         for worker in range(len(self.hosts)):
             specs = [process_spec(p) for p in plan if p.worker == worker]
-            self.server.send(worker, pb.LauncherMessage(start=pb.Start(
-                attempt=self.attempt.number, processes=specs, grace_s=self.config.job.stop_grace)))
+            if not self.server.send(worker, pb.LauncherMessage(start=pb.Start(
+                    attempt=self.attempt.number, processes=specs, grace_s=self.config.job.stop_grace))):
+                self.attempt.host_lost(worker, "no control session to start its processes")
         return self.attempt
 
     def _run_attempt(self, attempt: Attempt) -> AttemptResult:
@@ -229,6 +155,7 @@ class Supervisor:
             if phase is Phase.RUNNING:
                 self._drain(timeout=0.2)
                 self._show_status()
+                self._watch_hangs(attempt)
             elif phase is Phase.STOP:
                 attempt.begin_stop()
                 hard = len(self.interrupts) >= 2
@@ -242,6 +169,27 @@ class Supervisor:
                     self._broadcast(pb.LauncherMessage(stop=pb.Stop(grace_s=0.0)))
                     deadline = min(deadline, time.monotonic() + 1.5)
                 self._drain(timeout=0.1)
+
+    def _watch_hangs(self, attempt: Attempt) -> None:
+        """--hang-timeout and SIGQUIT: every rank's stacks in one table; after a hang, under
+        --hang-action stop, the attempt fails with that table as its root cause (tpudist/launch/_hang.py)."""
+        now = time.monotonic()
+        if self.hangs.due(now):
+            self._ask_stacks(f"no rank made progress for {self.hangs.timeout_s:g} s (--hang-timeout)", hang=True)
+        done = self.hangs.finished(now)
+        if done is None:
+            return
+        ending = done.hang and self.config.job.hang_action == "stop"
+        table, root = stacks_table(attempt.states, done, ending=ending)
+        if ending and root is not None:
+            attempt.hung(root, table)
+        else:
+            self._print(f"tpudist: every rank's Python stacks ({done.reason}); the job runs on\n{table}")
+
+    def _ask_stacks(self, reason: str, hang: bool) -> None:
+        request = self.hangs.ask(sorted(self.sessions), reason, hang=hang, now=time.monotonic())
+        if request is not None:
+            self._broadcast(pb.LauncherMessage(stacks=pb.Stacks(request=request)))
 
     def _feed_interrupts(self, attempt: Attempt) -> None:
         """Signals reach the attempt from the handler's list; an Interrupt event only wakes the loop."""
@@ -260,7 +208,7 @@ class Supervisor:
         # Shutdown lets an agent end at once; if it is lost on the way, closing its connection (its
         # stdin) ends the agent just the same, so no need to wait for each one here.
         self._broadcast(pb.LauncherMessage(shutdown=pb.Shutdown()))
-        close_agents(self.agents.values(), timeout_s=5.0)
+        close_agents(self.agents.values(), timeout_s=5.0, kill=self.unreported())
         if self.server is not None:
             self.server.close(grace_s=0.1)
         if self.sink is not None:
@@ -301,6 +249,9 @@ class Supervisor:
                 pass  # recorded by the signal handler; the event wakes whichever loop is waiting
             case ForwardSignal(signum):
                 self._broadcast(pb.LauncherMessage(signal=pb.Signal(signum=signum)))
+            case DumpStacks():
+                if attempt is not None and attempt.phase is Phase.RUNNING:
+                    self._ask_stacks("asked for with SIGQUIT", hang=False)
 
     def _on_report(self, msg: pb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")
@@ -308,6 +259,12 @@ class Supervisor:
         if kind == "logs":
             if self.sink is not None:
                 self.sink.write_batch(msg.logs.lines)
+            if any(not line.chatter for line in msg.logs.lines):
+                self.hangs.progress(time.monotonic())
+        elif kind == "heartbeat":
+            self.hangs.heartbeat(msg.worker, msg.heartbeat.progress, time.monotonic())
+        elif kind == "stacks":
+            self.hangs.answer(msg.worker, msg.stacks)
         elif kind == "started" and attempt is not None:
             attempt.started(msg.started.attempt, msg.started.rank, msg.started.pid)
             if attempt.all_started():
@@ -321,12 +278,6 @@ class Supervisor:
                 self.server.send(worker, msg)
 
     # -- reporting ---------------------------------------------------------------------------------
-
-    def _count_connected(self, worker: int) -> None:
-        self.connected += 1
-
-    def _dead_agents(self) -> list[AgentHandle]:
-        return [a for w, a in sorted(self.agents.items()) if w not in self.sessions and not a.alive()]
 
     def _show_status(self) -> None:
         attempt = self.attempt
@@ -345,7 +296,8 @@ class Supervisor:
 @contextlib.contextmanager
 def _signal_handlers(interrupts: list[int], events: WakeQueue):
     """SIGINT/SIGTERM recorded in `interrupts` (and an Interrupt event to wake the loop); SIGUSR1/2
-    queued to be passed on to the job. The previous handlers come back afterwards."""
+    queued to be passed on to the job; SIGQUIT (Ctrl-\\) asks for every rank's stacks. The previous
+    handlers come back afterwards."""
     def on_signal(signum, frame) -> None:
         interrupts.append(signum)
         events.put(Interrupt(signum))
@@ -355,6 +307,7 @@ def _signal_handlers(interrupts: list[int], events: WakeQueue):
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     previous.update({s: signal.signal(s, forward) for s in FORWARDED_SIGNALS})
+    previous[signal.SIGQUIT] = signal.signal(signal.SIGQUIT, lambda *_: events.put(DumpStacks()))
     try:
         yield
     finally:
@@ -366,27 +319,16 @@ def _exit_of(e: pb.Exited) -> Exit:
     return Exit(code=e.exit_code, signal=e.signal or None, run_s=e.run_s, tail=tuple(e.tail), error=e.error)
 
 
-def _port_of(port: concurrent.futures.Future) -> int:
-    try:
-        return port.result(timeout=SERVER_START_S)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError("the control server did not start") from None
-
-
-def _bootstrap_for(token: str, preflight: tuple[str, str]):
-    """`open_agents`' make_bootstrap: each agent's line, once the port it dials is known."""
-    def make(worker: int, host, die_with_parent: bool):
-        return lambda port: Bootstrap(worker=worker, host=host.address, port=port, token=token,
-                                      die_with_parent=die_with_parent, tpu_devices=preflight[0],
-                                      libtpu_lockfile=preflight[1]).encode()
-    return make
-
-
 def _ending(sup: Supervisor, result: AttemptResult):
     """What the launcher prints when the job has ended: the table of a failure (or, with -v, a
     summary of a success), then, under --profile, where every host's traces were copied to."""
     if result.outcome is not Outcome.SUCCESS:
         yield ending_table(result)
+        if refused := sup.restarts.refusal(result):  # --max-restarts asked for more
+            yield f"tpudist: {refused}"
+    elif result.number and not sup.config.output.quiet:
+        yield (f"tpudist: the job succeeded on attempt {result.number + 1}, after {result.number} "
+               f"restart{'s' if result.number > 1 else ''}: " + "; ".join(sup.restarts.causes))
     elif sup.config.output.verbose:
         yield (f"tpudist: {len(result.states)} processes on {len(sup.hosts)} hosts finished "
                f"in {time.monotonic() - sup.t0:.1f} s")

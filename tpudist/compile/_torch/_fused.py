@@ -24,7 +24,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpudist import _profile
+from tpudist import _profile, _stacks
 from tpudist.compile._torch import _optim
 from tpudist.compile._torch._body import make_body
 from tpudist.compile._torch._capture import autocast_state, capture
@@ -133,6 +133,7 @@ class TrainStep:
             else:
                 rows = self._last_rows
         self.stats.calls += 1
+        _stacks.entered("train step")  # progress for the launcher's --hang-timeout
         flags = tuple([m.training for m in self._submodules])
         same_structure = not self._groups_changed() or self._optimizer_structure() == self._structure
         last = self._last

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tpudist import _stacks
 from tpudist.compile._torch._capture import autocast_state, capture
 from tpudist.compile._torch._program import Program
 from tpudist.compile._torch._state import sync_module
@@ -64,6 +65,7 @@ class CompiledModule(torch.nn.Module):
         sync_module(self.module)  # a fused step training this module may hold newer values
         stats = self._stats
         stats.calls += 1
+        _stacks.entered("compiled module")  # progress for the launcher's --hang-timeout
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, cm(x) / cm(x, y): no pytree walk (tens of us a call)
             leaves, spec = list(args), len(args)

@@ -28,7 +28,8 @@ from tpudist.launch._wake import WakeQueue
 from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control import control_pb2_grpc as pb_grpc
-from tpudist.launch.agent import _tpucheck
+from tpudist.launch.agent import _dump, _tpucheck
+from tpudist.launch.agent._gate import Gate
 from tpudist.launch.agent._processes import ProcessSet
 
 HEARTBEAT_S = 2.0
@@ -121,6 +122,10 @@ class Agent:
         self.metadata = ((TOKEN_METADATA, boot.token),)
         self.outbound: queue.Queue = queue.Queue()
         self.procs = ProcessSet(self.worker, self.outbound.put)
+        self.procs.debug_root = _dump.make_root()  # each process's stacks and progress (hang reports)
+        # A multi-host job's JAX coordinator, reached only by the job's hosts (_gate.py).
+        self.gate = Gate(boot.token, host=self.host, say=self._say)
+        self.first_rank = 0  # this host's lowest rank: whose output the gate's lines appear in
         self.ending = Ending()
         self.child_ended = False  # SIGCHLD: an orphan re-parented to this agent may need reaping
 
@@ -175,16 +180,23 @@ class Agent:
             for msg in responses:
                 kind = msg.WhichOneof("kind")
                 if kind == "start":
-                    self.procs.start(msg.start)
+                    self._start(msg.start)
                 elif kind == "signal":
                     self.procs.signal(msg.signal.signum)
                 elif kind == "stop":
                     self.procs.stop(msg.stop.grace_s)
+                elif kind == "stacks":  # on a thread: the dumps take up to a few seconds
+                    threading.Thread(target=self._send_stacks, args=(msg.stacks.request,), daemon=True).start()
                 elif kind == "shutdown":
                     return self.finish("shutdown")
             self.finish("the launcher ended the control stream")
         except grpc.RpcError as e:
             self.finish(f"control stream lost: {e.code().name}")
+
+    def _send_stacks(self, request: int) -> None:
+        ranks = _dump.collect(self.procs.debug_targets())
+        report = pb.StacksReport(request=request, ranks=ranks)
+        self.outbound.put(pb.AgentMessage(worker=self.worker, stacks=report))
 
     def _requests(self):
         yield pb.AgentMessage(worker=self.worker, hello=pb.Hello())
@@ -212,10 +224,28 @@ class Agent:
         try:
             return self.outbound.get(timeout=HEARTBEAT_S)
         except queue.Empty:
-            return pb.AgentMessage(worker=self.worker, heartbeat=pb.Heartbeat())
+            progress = _dump.progress_total([d for _, _, d in self.procs.debug_targets()])
+            return pb.AgentMessage(worker=self.worker, heartbeat=pb.Heartbeat(progress=progress))
+
+    def _start(self, start: pb.Start) -> None:
+        """The attempt's coordinator gate, then its processes; a gate that cannot open fails them all."""
+        self.first_rank = min((p.rank for p in start.processes), default=0)
+        try:
+            self.gate.configure(start)
+        except RuntimeError as e:
+            for spec in start.processes:
+                self.outbound.put(pb.AgentMessage(worker=self.worker, exited=pb.Exited(
+                    rank=spec.rank, exit_code=1, attempt=start.attempt, error=str(e))))
+            return
+        self.procs.start(start)
+
+    def _say(self, line: str) -> None:
+        self.outbound.put(pb.LogLine(rank=self.first_rank, stream=pb.STDERR, data=line.encode()))
 
     def _teardown(self) -> None:
+        self.gate.close()
         self.procs.end(ORPHAN_GRACE_S)  # every process and descendant: SIGTERM, grace, SIGKILL
+        _dump.remove_root(self.procs.debug_root)
         if self.ending.reason != "shutdown":
             try:
                 print(f"tpudist agent on {self.host}: {self.ending.reason}; stopped this host's processes",

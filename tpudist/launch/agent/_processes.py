@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from tpudist import _proc
+from tpudist.launch.agent import _dump
 from tpudist.launch.agent._chatter import Chatter
 from tpudist.launch.control import control_pb2 as pb
 
@@ -64,10 +65,16 @@ def find_conda(env: dict[bytes, bytes]) -> str | None:
 
 
 def last_traceback(lines: list[bytes], limit: int = 30) -> list[bytes]:
-    """The last Python traceback among `lines` (through its final line), else the last few lines."""
+    """The last Python traceback among `lines` (through its final line), else faulthandler's report
+    of a fatal signal (SIGSEGV: the crashing thread's stack first), else the last few lines."""
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith(b"Traceback (most recent call last)"):
             return lines[i:][-limit:]
+        if lines[i].startswith(b"Fatal Python error: "):
+            report = [line for line in lines[i:] if not line.startswith(b"Extension modules: ")]
+            start = next((j for j, line in enumerate(report) if line.startswith(b"Current thread ")), 1)
+            end = next((j for j in range(start, len(report)) if not report[j].strip()), len(report))
+            return (report[:1] + report[start:end] + report[1:start] + report[end:])[:limit]
     return lines[-10:]
 
 
@@ -160,6 +167,8 @@ class _Process:
         self.tail: collections.deque[bytes] = collections.deque(maxlen=_TAIL_LINES)
         self.exited = threading.Event()
         self.t0 = time.monotonic()
+        self.debug_dir = ""  # its TPUDIST_DEBUG_DIR (stacks, progress), "" for none
+        self.oom_kills: int | None = None  # the kernel's OOM kill count when it started
 
     def environ(self) -> dict[bytes, bytes]:
         env = dict(os.environb)
@@ -167,6 +176,8 @@ class _Process:
             env[var.name] = var.value
         if self.spec.path_prepend:
             env[b"PATH"] = b":".join([*self.spec.path_prepend, env.get(b"PATH", os.defpath.encode())])
+        if self.debug_dir:
+            env[b"TPUDIST_DEBUG_DIR"] = os.fsencode(self.debug_dir)  # contract.DEBUG_DIR
         return env
 
     def start(self) -> None:
@@ -179,6 +190,9 @@ class _Process:
                                          "/opt/conda); install it on this host or use --venv")
             argv = [b"/bin/sh", b"-c", _CONDA_SCRIPT.encode(), os.fsencode(conda),
                     self.spec.conda_env.encode(), *argv]
+        if self.debug_dir:
+            _dump.clear(self.debug_dir)
+        self.oom_kills = _dump.oom_kills()
         try:
             self.popen = subprocess.Popen(
                 argv, env=env, cwd=self.spec.cwd or None, stdin=subprocess.DEVNULL,
@@ -215,9 +229,12 @@ class _Process:
         end = time.monotonic() + DRAIN_LIMIT_S
         for output in outputs:
             output.drained.wait(max(0.0, end - time.monotonic()))
+        tail = last_traceback(list(self.tail))
+        if code == -signal.SIGKILL and (note := _dump.sigkill_note(self.oom_kills)):
+            tail = [*tail, note]
         self.emit(pb.AgentMessage(worker=self.worker, exited=pb.Exited(
             rank=self.spec.rank, exit_code=max(code, 0), signal=max(-code, 0), run_s=run_s,
-            tail=last_traceback(list(self.tail)), attempt=self.attempt)))
+            tail=tail, attempt=self.attempt)))
         self.exited.set()
         self.on_exit(self)
         threading.Thread(target=_close_after, args=(outputs, exit_r, exit_w), daemon=True).start()
@@ -273,6 +290,7 @@ class ProcessSet:
         self.worker, self.emit = worker, emit
         self.procs: list[_Process] = []
         self.grace_s = 0.0  # the launcher's --stop-grace, from each Start
+        self.debug_root = ""  # the agent's directory for each process's TPUDIST_DEBUG_DIR ("" none)
         self._lock = threading.Lock()  # also keeps reaping away from a Popen being created
         self._popen_pids: set[int] = set()  # running Popen children: Popen reaps them, never `reap`
         self._kill_timer: threading.Timer | None = None
@@ -290,6 +308,8 @@ class ProcessSet:
             self.procs = [_Process(spec, start.attempt, self.worker, self.emit, self._after_exit)
                           for spec in start.processes]
             for proc in self.procs:
+                if self.debug_root:
+                    proc.debug_dir = _dump.proc_dir(self.debug_root, proc.spec.rank)
                 proc.start()
                 if proc.popen is not None:
                     self._popen_pids.add(proc.popen.pid)
@@ -394,3 +414,9 @@ class ProcessSet:
     def running(self) -> bool:
         with self._lock:
             return any(not p.exited.is_set() for p in self.procs)
+
+    def debug_targets(self) -> list[tuple[int, int, str]]:
+        """(rank, pid, TPUDIST_DEBUG_DIR) of every running process that has one."""
+        with self._lock:
+            return [(p.spec.rank, p.popen.pid, p.debug_dir) for p in self.procs
+                    if p.debug_dir and p.popen is not None and not p.exited.is_set()]

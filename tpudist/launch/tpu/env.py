@@ -10,7 +10,10 @@ Two modes:
 
 - One process per worker (the default): PJRT in that process drives all of the worker's chips.
   Every process gets `TPU_WORKER_ID`, `TPU_WORKER_HOSTNAMES`, `TPU_ACCELERATOR_TYPE`,
-  `TPU_TOPOLOGY`, `TPU_HOST_BOUNDS`, `TPU_CHIPS_PER_HOST_BOUNDS` and `PJRT_DEVICE=TPU`.
+  `TPU_TOPOLOGY`, `TPU_HOST_BOUNDS`, `TPU_CHIPS_PER_HOST_BOUNDS` and `PJRT_DEVICE=TPU`; and
+  TorchTPU's: `JOB_COMPLETION_INDEX` (the worker), `TORCH_TPU_TOPOLOGY`,
+  `TORCH_TPU_SLICEBUILDER_ADDRESSES` (every worker's address with ports 8070.. per TorchTPU
+  device), `TORCH_TPU_BASE_PORT`, `TORCH_TPU_DEVICES_PER_HOST` (`contract.py` spells those).
 - One process per chip (`--nproc-per-host N` with N = chips per worker), torch_xla's multiprocess
   layout: in addition `TPU_PROCESS_BOUNDS` (host bounds times chips-per-host bounds, axis by axis),
   `TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1`, `TPU_VISIBLE_CHIPS=<local rank>`,
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpudist import contract
+from tpudist.contract import TPU_PROCESS_ADDRESSES, TPU_WORKER_HOSTNAMES, TPU_WORKER_ID
 from tpudist.launch.clusters import Cluster, Host
 from tpudist.launch.tpu.topology import SliceTopology, bounds_str, from_bounds, slice_topology
 
 # --- Google's TPU runtime variables ------------------------------------------------------------
-TPU_WORKER_ID = "TPU_WORKER_ID"  # this worker's index in the slice
-TPU_WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # every worker's address, comma-separated, in order
+# TPU_WORKER_ID, TPU_WORKER_HOSTNAMES and TPU_PROCESS_ADDRESSES are in tpudist.contract, since
+# `tpudist.init()` reads them too (a job GKE started).
 TPU_ACCELERATOR_TYPE = "TPU_ACCELERATOR_TYPE"  # "v4-32"
 TPU_TOPOLOGY = "TPU_TOPOLOGY"  # "2x2x4", as GKE sets it
 TPU_HOST_BOUNDS = "TPU_HOST_BOUNDS"  # workers along each axis: "1,1,4"
@@ -51,7 +56,6 @@ TPU_PROCESS_BOUNDS = "TPU_PROCESS_BOUNDS"  # processes along each axis (one-proc
 TPU_CHIPS_PER_PROCESS_BOUNDS = "TPU_CHIPS_PER_PROCESS_BOUNDS"  # one process's chips: "1,1,1"
 TPU_VISIBLE_CHIPS = "TPU_VISIBLE_CHIPS"  # which of this worker's chips the process drives
 TPU_PROCESS_PORT = "TPU_PROCESS_PORT"  # this process's libtpu port
-TPU_PROCESS_ADDRESSES = "TPU_PROCESS_ADDRESSES"  # every process's ip:port, worker then local rank
 CLOUD_TPU_TASK_ID = "CLOUD_TPU_TASK_ID"  # this process's index among all TPU processes
 PJRT_DEVICE = "PJRT_DEVICE"  # torch_xla's device selector
 
@@ -62,7 +66,10 @@ ALL = (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, 
 # torch_xla's base port for per-chip processes: local rank r listens on 8476 + r.
 TPU_PROCESS_BASE_PORT = 8476
 # JAX's port for its distributed coordinator on a Cloud TPU (jax/_src/clusters/cloud_tpu_cluster).
-JAX_COORDINATOR_PORT = 8482
+JAX_COORDINATOR_PORT = contract.DEFAULT_COORDINATOR_PORT
+# TorchTPU devices per chip: tpu7x chips are two devices (chiplets), which TorchTPU's topology
+# counts as a fourth axis ("2,2,1,2"; torchtitan's experiments/tpu/cloud_distributed_utils.py).
+_TORCH_TPU_DEVICES_PER_CHIP = {"7x": 2}
 
 # The metadata server's `tpu-env` keys for the facts the table also knows.
 _TPU_ENV_ACCELERATOR_TYPE = "ACCELERATOR_TYPE"
@@ -164,9 +171,12 @@ class TpuLayout:
     worker_addresses: tuple[str, ...]
     worker_hostnames: str  # TPU_WORKER_HOSTNAMES
     process_addresses: str  # TPU_PROCESS_ADDRESSES; "" with one process per worker
+    slicebuilder_addresses: str  # TORCH_TPU_SLICEBUILDER_ADDRESSES
 
     def worker_env(self, worker: int) -> dict[str, str]:
-        """The TPU variables every process on `worker` gets, in either mode."""
+        """The TPU variables every process on `worker` gets, in either mode: libtpu's, and
+        TorchTPU's (what its multi-host wrapper would derive; `worker` in this slice is
+        JobSet's `JOB_COMPLETION_INDEX`)."""
         tpu = self.slice
         if not 0 <= worker < tpu.workers:
             raise ValueError(f"worker {worker} is not in [0, {tpu.workers}) for TPU "
@@ -179,6 +189,11 @@ class TpuLayout:
             TPU_HOST_BOUNDS: bounds_str(tpu.host_bounds),
             TPU_CHIPS_PER_HOST_BOUNDS: bounds_str(tpu.chips_per_host_bounds),
             PJRT_DEVICE: "TPU",
+            contract.JOB_COMPLETION_INDEX: str(worker),
+            contract.TORCH_TPU_TOPOLOGY: torch_tpu_topology(tpu),
+            contract.TORCH_TPU_SLICEBUILDER_ADDRESSES: self.slicebuilder_addresses,
+            contract.TORCH_TPU_BASE_PORT: str(contract.DEFAULT_TORCH_TPU_BASE_PORT),
+            contract.TORCH_TPU_DEVICES_PER_HOST: str(torch_tpu_devices_per_worker(tpu)),
         }
 
     def process_env(self, worker: int, local_rank: int) -> dict[str, str]:
@@ -219,10 +234,13 @@ def tpu_layout(cluster: Cluster, nproc_per_host: int | None) -> TpuLayout:
     nproc = check_nproc_per_host(cluster, nproc_per_host)
     addresses = tuple(worker_addresses(cluster))
     ports = [TPU_PROCESS_BASE_PORT + r for r in range(nproc)] if nproc > 1 else []
+    tpu = cluster_slice(cluster)
+    builders = [contract.DEFAULT_TORCH_TPU_BASE_PORT + d for d in range(torch_tpu_devices_per_worker(tpu))]
     layout = TpuLayout(
-        slice=cluster_slice(cluster), nproc_per_host=nproc, worker_addresses=addresses,
+        slice=tpu, nproc_per_host=nproc, worker_addresses=addresses,
         worker_hostnames=",".join(addresses),
-        process_addresses=",".join(f"{a}:{p}" for a in addresses for p in ports))
+        process_addresses=",".join(f"{a}:{p}" for a in addresses for p in ports),
+        slicebuilder_addresses=",".join(f"{a}:{p}" for a in addresses for p in builders))
     _last_layout = (cluster, layout)
     return layout
 
@@ -254,6 +272,19 @@ def tpu_process_env(cluster: Cluster, worker: int, local_rank: int,
     """
     part, worker = locate(cluster, worker)
     return tpu_layout(part, nproc_per_host).process_env(worker, local_rank)
+
+
+def torch_tpu_devices_per_worker(tpu: SliceTopology) -> int:
+    """TorchTPU's devices on one worker (it runs a process per device): its chips, two per tpu7x chip."""
+    return tpu.chips_per_worker * _TORCH_TPU_DEVICES_PER_CHIP.get(tpu.generation, 1)
+
+
+def torch_tpu_topology(tpu: SliceTopology) -> str:
+    """`TORCH_TPU_TOPOLOGY`: the slice's chips along each axis, host bounds times chips-per-host
+    bounds ("2,4,1" for a v6e 2x4), with the devices per chip as a fourth axis on tpu7x."""
+    axes = [h * c for h, c in zip(tpu.host_bounds, tpu.chips_per_host_bounds)]
+    per_chip = _TORCH_TPU_DEVICES_PER_CHIP.get(tpu.generation)
+    return ",".join(str(a) for a in axes + ([per_chip] if per_chip else []))
 
 
 def _peer_address(host: Host) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tpudist._jaxcompat import varying_axes
 from tpudist.compile._torch._registry import register
 from tpudist.compile._torch.ops._util import unsupported_arg
 
@@ -192,7 +193,7 @@ def standard_gamma(key, alpha, *, generator=None):
 
 @register(aten.binomial.default, random=True)
 def binomial(key, count, probabilities, *, generator=None):
-    if _varying_axes(key):
+    if varying_axes(key):
         # JAX's binomial sampler builds loop state from constants, which shard_map rejects
         raise unsupported_arg("aten.binomial", "a per-device key (inside the fused train step); draw it in "
                               "tpudist.compile(module) or outside the step")
@@ -206,14 +207,9 @@ def _varying_like(value, key):
     """`value` made to vary over the same shard_map axes as the key (inside the fused step the key is
     per device). JAX's rejection samplers (poisson, gamma, binomial) loop over a carry built from
     their parameters and updated with draws from the key; under shard_map both must vary alike."""
-    missing = tuple(sorted(_varying_axes(key) - _varying_axes(value)))
+    missing = tuple(sorted(varying_axes(key) - varying_axes(value)))
     return jax.lax.pcast(value, missing, to="varying") if missing else value
 
-
-def _varying_axes(value) -> frozenset:
-    aval = jax.typeof(value)
-    mat = getattr(aval, "mat", None)  # jax 0.10's manual axis types; `vma` in other releases
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def _floating(x):
