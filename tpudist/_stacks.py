@@ -25,7 +25,6 @@ Standard library only (and the contract): the agent and the launcher read the la
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import mmap
 import os
@@ -35,6 +34,7 @@ import struct
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from tpudist import contract
 
@@ -50,8 +50,9 @@ _stacks_file = None  # kept open: faulthandler writes to its descriptor
 _collectives = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Frame:
+# NamedTuples, not dataclasses: every host's agent imports this module before it registers, and
+# `dataclasses` costs ~3 ms of that start (tests/launch/test_deferred.py).
+class Frame(NamedTuple):
     file: str
     line: int
     function: str
@@ -60,15 +61,13 @@ class Frame:
         return f"{os.path.basename(self.file)}:{self.line} in {self.function}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Thread:
+class Thread(NamedTuple):
     ident: int
     current: bool  # the thread the signal landed on (not necessarily the main one)
     frames: tuple[Frame, ...]  # innermost first, as faulthandler prints them
 
 
-@dataclasses.dataclass(frozen=True)
-class Progress:
+class Progress(NamedTuple):
     collectives: int  # eager collectives entered so far
     name: str  # the last one
     entered_at: float  # time.monotonic() when it was entered

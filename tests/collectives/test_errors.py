@@ -94,6 +94,8 @@ def mismatches() -> dict:
     start = time.monotonic()
     out["new_on_one"] = _error(lambda: tpudist.all_reduce(f32 if rank == 0 else np.ones(4, np.float64)))
     out["new_on_one_seconds"] = time.monotonic() - start
+    # A value small enough to ride beside the header against one that runs after it.
+    out["small_vs_large"] = _error(lambda: tpudist.all_reduce(np.ones(4 if rank == 0 else 5000, np.float32)))
     out["keys"] = _error(lambda: tpudist.all_reduce({"a": f32, "b" if rank == 0 else "c": f32}))
     out["broadcast_keys"] = _error(lambda: tpudist.broadcast({"a": f32, "b" if rank == 0 else "c": f32}))
     out["agree_after_cached"] = tpudist.all_reduce(np.float32(rank + 1))
@@ -118,6 +120,7 @@ def mismatch() -> list[dict]:
     ("cached_dtype", ["all_reduce", "dtypes", "float32", "int32"]),
     ("cached_shape", ["all_reduce", "shapes", "(4,)", "(2, 2)"]),
     ("new_on_one", ["all_reduce", "dtypes", "float32", "float64"]),
+    ("small_vs_large", ["all_reduce", "shapes", "(4,)", "(5000,)"]),
     ("keys", ["all_reduce", "structure", "'a'", "'b'", "'c'"]),
     ("broadcast_keys", ["broadcast", "structure", "'b'", "'c'"]),
 ])

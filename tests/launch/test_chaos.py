@@ -281,9 +281,10 @@ def test_a_dropped_ssh_connection_restarts_the_job_over_a_new_one(sshd, marker, 
                    and _env(p).get(b"RANK") == b"1"]
         t0 = time.monotonic()
         os.kill(_ppid(_ppid(worker1[0])), signal.SIGKILL)  # worker -> agent -> its sshd session
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=60)
         took = time.monotonic() - t0
         out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+        assert code == 0, err[-3000:]
         assert "ready 1 0" in out and "ready 1 1" in out, out  # both hosts ran the second attempt
         assert ("tpudist: attempt 1 failed; restarting (1/1 restarts): rank 1's host 127.0.0.3 was lost "
                 "(host agent gone: SSH connection lost)") in err, err

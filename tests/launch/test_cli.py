@@ -184,9 +184,12 @@ def test_dry_run_plan_for_hosts_has_every_variable_the_launcher_sets(tmp_path):
         assert job.local_world_size == (2 if p["worker"] == 0 else 1)
         assert job.master_addr == "127.0.0.2" and job.cpu_devices == 2 and job.platform == "cpu"
         assert job.host == p["host"]
-        host, port = job.coordinator.rsplit(":", 1)
+        # each host's processes reach the JAX coordinator through their own agent's private socket,
+        # relayed to the gate worker 0's agent keeps on its address (tpudist/launch/agent/_gate.py)
+        assert job.coordinator.startswith("unix:") and f"-w{p['worker']}" in job.coordinator
+        host, port = env[contract.COORDINATOR_GATE].rsplit(":", 1)
         assert host == "127.0.0.2" and int(port) != job.master_port
-        coordinators.add((job.coordinator, job.master_port))
+        coordinators.add((env[contract.COORDINATOR_GATE], job.master_port))
         assert env["A"] == "x y" and env["PYTHONUNBUFFERED"] == "1"
     assert len(coordinators) == 1
 

@@ -24,7 +24,6 @@ key-value store belong to the job that ended.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import socket
@@ -34,20 +33,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _profile, _runtime, _stacks, contract
-from tpudist._jaxcompat import assemble, import_buffer, varying_axes
-from tpudist.collectives import _lax
+from tpudist._jaxcompat import assemble, import_buffer
+from tpudist.collectives._agree import GROUP, HEADER, SLOT, Check, agreed, fingerprint
 from tpudist.collectives._peers import CollectiveError, Peers
 
 log = logging.getLogger("tpudist.collectives")
 
-SLOT = "s"  # mesh axis inside a replica group
-GROUP = "g"  # mesh axis across replica groups
 _SPEC = P(GROUP, SLOT)
 
 @dataclasses.dataclass
@@ -141,7 +136,7 @@ class Engine:
             if signature is None:
                 with _profile.span(f"tpudist.compile_collective[{op.name}]"):
                     signature = self._signatures[key] = self._compile(op, groups, blocks)
-            check = _Check(op, groups, blocks, _fingerprint(key, op.detail))
+            check = Check(op, groups, blocks, fingerprint(key, op.detail))
             return self._execute(check, seq, signature, signature.inputs(blocks, self.device))
 
     def repeat(self, op: Op, groups: tuple[tuple[int, ...], ...],
@@ -159,7 +154,7 @@ class Engine:
         staging = signature.staging if signature is not None else None
         if staging is None:
             return None
-        check = _Check(op, groups, blocks, _fingerprint(key, op.detail))
+        check = Check(op, groups, blocks, fingerprint(key, op.detail))
 
         def call(fill: Callable[[], Any]) -> list[jax.Array]:
             with self._lock:
@@ -182,7 +177,7 @@ class Engine:
         self.seq += 1
         return self.seq
 
-    def _execute(self, check: _Check, seq: int, signature: _Signature,
+    def _execute(self, check: Check, seq: int, signature: _Signature,
                  inputs: list[jax.Array]) -> list[jax.Array]:
         """Runs `signature`'s executable on `inputs` (lock held) after the header exchange;
         turns failures and disagreements into the job's errors."""
@@ -203,7 +198,7 @@ class Engine:
             self._broken = f"{name} (collective #{seq}) failed"
             raise self.peers.failure(seq, name, e, time.monotonic() - start) from e
         if signature.header is not None:
-            rows = np.asarray(table).reshape(-1, _HEADER)
+            rows = np.asarray(table).reshape(-1, HEADER)
             if (rows[:, 1:] != rows[0, 1:]).any():
                 raise self.peers.mismatch(seq, name, rows, _described(check.op, check.groups, check.blocks),
                                           time.monotonic() + self.peers.timeout)
@@ -216,8 +211,8 @@ class Engine:
         avals = [jax.ShapeDtypeStruct(lead + b.shape[2:], b.dtype, sharding=sharding) for b in blocks]
         checked = self.n > 1  # a single process has no peer to disagree with
         if checked:
-            avals.insert(0, jax.ShapeDtypeStruct(lead + (_HEADER,), np.int32, sharding=sharding))
-            body = _agreed(op, lead, self.device.platform, blocks)
+            avals.insert(0, jax.ShapeDtypeStruct(lead + (HEADER,), np.int32, sharding=sharding))
+            body = agreed(op, lead, self.device.platform, blocks)
         else:
             body = lambda *xs: list(op.body(list(xs), lead[1]))  # noqa: E731
         # check_vma=False where checked: JAX's varying-axes check rejects the collectives' own
@@ -234,118 +229,6 @@ class Engine:
         if checked:
             signature.header = _Header.build(signature, self.device)
         return signature
-
-
-# The header each process brings to every eager collective: rank, sequence number, and the two
-# 32-bit halves of the signature's fingerprint.
-_HEADER = 4
-_HEADER_BYTES = 4 * _HEADER
-_WIRE_DTYPES = frozenset(map(np.dtype, (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
-                                        np.int64, np.uint64, np.float16, jnp.bfloat16, np.float32, np.float64)))
-
-
-def payload_bytes(n: int) -> int:
-    """The bytes of values that travel beside the header in every executable's first exchange, for a
-    job of `n` processes: the same in every executable of the job, so that processes that called
-    different collectives still exchange equal messages there (gloo aborts on unequal ones)."""
-    return max(64, 8192 // n)
-
-
-def _rides_with_header(blocks: list[Any], n: int) -> bool:
-    """Whether the values fit beside the header: then the header exchange is the collective."""
-    dtypes = [np.dtype(b.dtype) for b in blocks]
-    return (all(d in _WIRE_DTYPES for d in dtypes)
-            and sum(math.prod(b.shape[2:]) * d.itemsize for b, d in zip(blocks, dtypes)) <= payload_bytes(n))
-
-
-def _agreed(op: Op, lead: tuple[int, int], platform: str, blocks: list[Any]) -> Callable[..., list[jax.Array]]:
-    """The executable's body. Its first step all-gathers every process's header with a payload of
-    `payload_bytes` beside it. Values that fit in the payload ride there, and each process computes
-    its result from everyone's values (the collective's own body, vmapped over its group), kept only
-    where every header agrees; larger values run the collective after the exchange, under a
-    `lax.cond` that skips it where the headers disagree. Either way every process sees the same
-    table of headers and the collective's data never moves between processes that disagree."""
-    n = lead[0] * lead[1]
-    width = payload_bytes(n)
-    exchange = "doubling" if platform == "cpu" and n & (n - 1) == 0 else "native"
-    # vmap's ppermute takes only full permutations, and collective_permute's pairs may be partial
-    riding = op.name != "collective_permute" and _rides_with_header(blocks, n)
-
-    def body(header: jax.Array, *xs: jax.Array) -> list[jax.Array]:
-        payload = [_to_bytes(x[0, 0]) for x in xs] if riding else []
-        used = sum(p.size for p in payload)
-        row = jnp.concatenate([_to_bytes(header[0, 0]), *payload, jnp.zeros(width - used, jnp.uint8)])
-        rows = _lax.gather(row, 0, (GROUP, SLOT), exchange).reshape(n, _HEADER_BYTES + width)
-        table = lax.bitcast_convert_type(rows[:, :_HEADER_BYTES].reshape(n, _HEADER, 4), jnp.int32)
-        agree = jnp.all(table[:, 1:] == table[0, 1:])
-        if riding:
-            outs = _from_everyone(op, lead, rows[:, _HEADER_BYTES:], xs, agree)
-        else:
-            def run(values: list[jax.Array]) -> list[jax.Array]:
-                return [_varying(o) for o in op.body(values, lead[1])]
-            shapes = jax.eval_shape(run, list(xs))
-            outs = lax.cond(agree, run, lambda _: [_varying(jnp.zeros(s.shape, s.dtype)) for s in shapes], list(xs))
-        return [_varying(table.reshape((1, 1, n * _HEADER)))] + outs
-    return body
-
-
-def _from_everyone(op: Op, lead: tuple[int, int], data: jax.Array, xs: tuple[jax.Array, ...],
-                   agree: jax.Array) -> list[jax.Array]:
-    """This process's results of `op`, computed from every process's values (`data`: one row of
-    payload bytes per process, in mesh order): its group's rows decoded and `op.body` vmapped over
-    the slot axis, so each collective's own arithmetic (and order of combining) applies. Every
-    process of a group computes the same thing, so all get bit-identical results."""
-    groups, slots = lead
-    mine = lax.dynamic_index_in_dim(data.reshape(groups, slots, -1), lax.axis_index(GROUP), keepdims=False)
-    values, offset = [], 0
-    for x in xs:
-        nbytes = math.prod(x.shape[2:]) * x.dtype.itemsize
-        values.append(_from_bytes(mine[:, offset:offset + nbytes], x.dtype, x.shape[2:]))
-        offset += nbytes
-    outs = jax.vmap(lambda *vs: op.body([v[None, None] for v in vs], slots), axis_name=SLOT)(*values)
-    here = lax.axis_index(SLOT)
-    return [_varying(jnp.where(agree, o[here], jnp.zeros((), o.dtype))) for o in outs]
-
-
-def _to_bytes(x: jax.Array) -> jax.Array:
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8).reshape(-1)
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
-    """`raw` (rows, nbytes) uint8 -> (rows, *shape) of `dtype`."""
-    rows = raw.shape[0]
-    if dtype == jnp.bool_:
-        return raw.reshape((rows,) + shape).astype(jnp.bool_)
-    size = np.dtype(dtype).itemsize
-    if size == 1:
-        return lax.bitcast_convert_type(raw, dtype).reshape((rows,) + shape)
-    return lax.bitcast_convert_type(raw.reshape((rows, -1, size)), dtype).reshape((rows,) + shape)
-
-
-def _varying(x: jax.Array) -> jax.Array:
-    """`x` marked as varying over both mesh axes, as the executable's out_specs say."""
-    missing = tuple(a for a in (GROUP, SLOT) if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-@dataclasses.dataclass(frozen=True)
-class _Check:
-    """What a call's header and, on a disagreement, its error are made of."""
-
-    op: Op
-    groups: tuple[tuple[int, ...], ...]
-    blocks: list[Any]
-    fingerprint: tuple[int, int]
-
-
-def _fingerprint(key: Any, detail: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
-    """Two int32 words that differ, but for a 2**-64 chance, between calls peers must not mix.
-    The key's and detail's reprs are the same in every process of a job (one Python, one numpy)."""
-    digest = hashlib.blake2b(repr((key, detail)).encode(), digest_size=8).digest()
-    hi, lo = np.frombuffer(digest, np.int32)
-    return int(hi), int(lo)
 
 
 def _key(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -> Any:
@@ -439,7 +322,7 @@ class _Header:
 
     @classmethod
     def build(cls, signature: _Signature, device: Any) -> _Header:
-        host = _aligned((1, 1, _HEADER), np.dtype(np.int32))
+        host = _aligned((1, 1, HEADER), np.dtype(np.int32))
         block = import_buffer(host, device)
         if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
             return cls(signature, device, host, None)

@@ -119,6 +119,10 @@ class Gate:
     def close(self) -> None:
         self._stopped.set()
         if self._listener is not None:
+            try:  # stops listening now: a thread polling it keeps the socket open until it wakes
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         if self._unix_path:
