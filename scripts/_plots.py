@@ -2,7 +2,7 @@
 
     import _plots                                     # from a script in scripts/
     _plots.ratio_vs_size(rows, "bench-results/collectives.png")
-    _plots.time_bars(rows, "bench-results/torch.png", keys=["eager_ms", "compiled_ms"])
+    _plots.time_bars(rows, "bench-results/torch_single.png", keys=["eager_ms", "compiled_ms"])
 
 matplotlib is the `bench` extra (`pip install -e .[bench]`; the dev venv of ./scripts/test has it).
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from _bench import human_bytes
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
            "tab:gray", "tab:olive", "tab:cyan")
@@ -23,13 +25,6 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")  # files only: never a window, works without a display
     import matplotlib.pyplot as plt
     return plt
-
-
-def _human_bytes(nbytes: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def ratio_vs_size(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str | None = None,
@@ -66,7 +61,7 @@ def ratio_vs_size(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title:
             ticks_x.append(b)
     ax.xaxis.set_major_locator(FixedLocator(ticks_x))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda b, _: _human_bytes(b)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda b, _: human_bytes(b)))
     ratios = [q for pts in series.values() for _, q in pts]
     ticks = [t for t in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
              if min(ratios) / 1.2 <= t <= max(ratios) * 1.2] or [1.0]

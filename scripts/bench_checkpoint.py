@@ -15,25 +15,24 @@ float32 table with its rows split over every device ("model" spans the processes
 
 Each phase starts at a barrier; a process's time is its own (the slowest sets the job's). Bytes
 per process are its shard of the table and what it wrote (its `ocdbt.process_<i>` store, on disk).
-Prints a table (medians over the rounds), then the JSON (also written to --json).
+Prints a table (medians over the rounds, scripts/_bench.py), writes the JSON (--json) and a PNG beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
+import _bench
+import _plots
 import tpudist
-from _report import text_table  # scripts/_report.py
 
 MIB = 1 << 20
 
@@ -57,45 +56,48 @@ def _job(index: int, cfg: Config, directory: str) -> dict:
     table = jax.block_until_ready(emb.init(jax.random.key(0)))
     like = {"table": jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=table.sharding)}
     mine = {s.device: np.asarray(s.data) for s in table.addressable_shards}
-    times: dict[str, list[float]] = {"save_s": [], "restore_s": [], "async_block_s": [], "async_total_s": []}
-    written = []
-    step = 0
-    for _ in range(cfg.repeats):
-        step += 1
-        tpudist.barrier()
+    steps = iter(range(1, 2 * cfg.repeats + 1))
+    saved = []
+
+    def save() -> dict:
+        step = next(steps)
         start = time.perf_counter()
         tpudist.checkpoint.save(directory, step, {"table": table}, keep=2)
-        times["save_s"].append(time.perf_counter() - start)
-        written.append(_bytes_under(os.path.join(directory, str(step), "default", f"ocdbt.process_{index}")))
+        seconds = time.perf_counter() - start
+        saved.append(step)
+        written = _bytes_under(os.path.join(directory, str(step), "default", f"ocdbt.process_{index}"))
+        return {"save_s": seconds, "written": written}
 
-        tpudist.barrier()
+    def restore() -> dict:
         start = time.perf_counter()
-        _, restored = tpudist.checkpoint.restore(directory, like=like, step=step)
+        _, restored = tpudist.checkpoint.restore(directory, like=like, step=saved[-1])
         jax.block_until_ready(restored)
-        times["restore_s"].append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
         for shard in restored["table"].addressable_shards:
             assert np.array_equal(np.asarray(shard.data), mine[shard.device]), "restored values differ"
-        del restored
+        return {"restore_s": seconds}
 
-        step += 1
-        tpudist.barrier()
+    def save_async() -> dict:
         start = time.perf_counter()
-        handle = tpudist.checkpoint.save(directory, step, {"table": table}, wait=False, keep=2)
-        times["async_block_s"].append(time.perf_counter() - start)
+        handle = tpudist.checkpoint.save(directory, next(steps), {"table": table}, wait=False, keep=2)
+        blocked = time.perf_counter() - start
         handle.wait()
-        times["async_total_s"].append(time.perf_counter() - start)
+        return {"async_block_s": blocked, "async_total_s": time.perf_counter() - start}
+
+    # Each phase starts at a barrier; the restore reads the round's own save.
+    runs = _bench.alternate({"save": save, "restore": restore, "async": save_async}, cfg.repeats,
+                            before=tpudist.barrier)
+    times = {k: statistics.median(r[k] for r in rs) for rs in runs.values() for k in rs[0]}
     shard_bytes = sum(s.data.nbytes for s in table.addressable_shards if s.replica_id == 0)
     return {"process": index, "devices": len(jax.local_devices()),
-            "shard_mib": round(shard_bytes / MIB, 1), "written_mib": round(statistics.median(written) / MIB, 1),
-            **{k: round(statistics.median(v), 3) for k, v in times.items()},
-            "save_mib_per_s": round(shard_bytes / MIB / statistics.median(times["save_s"]), 1),
-            "restore_mib_per_s": round(shard_bytes / MIB / statistics.median(times["restore_s"]), 1)}
+            "shard_mib": round(shard_bytes / MIB, 1), "written_mib": round(times.pop("written") / MIB, 1),
+            **{k: round(v, 3) for k, v in times.items()},
+            "save_mib_per_s": round(shard_bytes / MIB / times["save_s"], 1),
+            "restore_mib_per_s": round(shard_bytes / MIB / times["restore_s"], 1)}
 
 
-def _table(rows: list[dict]) -> str:
-    cols = ["process", "shard_mib", "written_mib", "save_s", "restore_s", "async_block_s", "async_total_s",
-            "save_mib_per_s", "restore_mib_per_s"]
-    return text_table(rows, cols)
+COLUMNS = [(c, c) for c in ("process", "shard_mib", "written_mib", "save_s", "restore_s", "async_block_s",
+                            "async_total_s", "save_mib_per_s", "restore_mib_per_s")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--cpu-devices", type=int, default=1)
     parser.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one, removed after)")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/checkpoint.json"))
+    _bench.add_output_args(parser, "checkpoint")
     parser.add_argument("--timeout", type=float, default=1200.0)
     args = parser.parse_args(argv)
     cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
@@ -114,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = tpudist.spawn(_job, args=(cfg, directory), nprocs=args.procs, cpu_devices=args.cpu_devices,
                              timeout=args.timeout)
     load = os.getloadavg()[0]
-    print(f"ShardedEmbedding {cfg.rows} x {cfg.features} float32 ({cfg.rows * cfg.features * 4 / MIB:.0f} MiB), "
-          f"rows over {args.procs} processes x {args.cpu_devices} CPU device(s); median of {cfg.repeats} rounds; "
-          f"load average {load:.1f} on {os.cpu_count()} CPUs")
-    print(_table(rows))
-    report = {"config": {**dataclasses.asdict(cfg), "procs": args.procs, "cpu_devices": args.cpu_devices},
-              "load_average": load, "results": rows}
-    print(json.dumps(report, indent=2))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(_bench.table(rows, COLUMNS, f"ShardedEmbedding {cfg.rows} x {cfg.features} float32 "
+                       f"({cfg.rows * cfg.features * 4 / MIB:.0f} MiB), rows over {args.procs} processes x "
+                       f"{args.cpu_devices} CPU device(s); median of {cfg.repeats} rounds; "
+                       f"load average {load:.1f} on {os.cpu_count()} CPUs"))
+    out = _bench.Output.from_args(args)
+    out.write({"config": {**dataclasses.asdict(cfg), "procs": args.procs, "cpu_devices": args.cpu_devices},
+               "load_average": load, "results": rows}, announce=True)
+    out.picture(lambda png: _plots.time_bars(
+        rows, png, keys=["save_s", "restore_s", "async_block_s", "async_total_s"],
+        labels=["save", "restore", "async save: blocked", "async save: committed"],
+        group=lambda r: f"process {r['process']}", ylabel="seconds", title="checkpoint save and restore"))
     return 0
 
 

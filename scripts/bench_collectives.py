@@ -3,9 +3,10 @@
 
 For 2 and 4 processes and sizes from 4 B to 64 MiB, times tpudist's all_reduce / all_gather /
 reduce_scatter on torch tensors next to torch.distributed's gloo, and prints latency, algbw,
-busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JSON.
+busbw (the nccl-tests formulas) and the ratio tpudist/gloo, as a table and as JSON. Each time is
+the slowest rank's median over 3 rounds, the sides interleaved round by round (scripts/_bench.py).
 
-    python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json]
+    python scripts/bench_collectives.py [--procs 2 4] [--min-bytes 0] [--max-bytes 64Mi] [--json out.json] [--no-plot]
                                         [--collectives all_reduce all_gather reduce_scatter]
     python scripts/bench_collectives.py --plot-only docs/bench/collectives_cpu_run6.json
     python scripts/bench_collectives.py --baseline /tmp/base --rounds 3 --max-bytes 1Mi
@@ -40,8 +41,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
+from pathlib import Path
 
+import _bench
+import _plots
 import tpudist
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -111,26 +115,15 @@ def measure(index: int, byte_sizes: list[int], budget: float, collectives: tuple
                     "reduce_scatter": (lambda: tpudist.reduce_scatter(full), lambda: scatter(out_part, full)),
                 }
                 mine, gloo = ops[name]
-                bare = _bare_xla(name, elems if name == "all_reduce" else elems // n, n)
+                sides = {"tpudist": mine, "gloo": gloo,
+                         "xla": _bare_xla(name, elems if name == "all_reduce" else elems // n, n)}
+                if name == "all_reduce":
+                    sides["gloo_copy"] = lambda: dist.all_reduce(full.clone())
                 iters = _iters(elems * 4, budget)
                 row = {"collective": name, "procs": n, "bytes": elems * 4, "iters": iters}
-                # Interleave repetitions so all of them see the same machine load.
-                runs = [("tpudist", mine), ("gloo", gloo), ("xla", bare)]
-                if name == "all_reduce":
-                    runs.append(("gloo_copy", lambda: dist.all_reduce(full.clone())))
-                times: dict[str, list[float]] = {label: [] for label, _ in runs}
-                for _ in range(2):
-                    for _, fn in runs:
-                        fn()
-                for rep in range(3):
-                    for label, fn in runs:
-                        dist.barrier()
-                        start = time.perf_counter()
-                        for _ in range(iters):
-                            fn()
-                        times[label].append((time.perf_counter() - start) / iters)
-                for label in times:
-                    t = torch.tensor([statistics.median(times[label])], dtype=torch.float64)
+                times = _bench.interleave(sides, rounds=3, steps=iters, warmup=2, before_run=dist.barrier)
+                for label, timing in times.items():
+                    t = torch.tensor([timing.median], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the collective's time
                     row[f"{label}_s"] = float(t)
                 rows.append(row)
@@ -143,11 +136,15 @@ def bus_factor(name: str, n: int) -> float:
     return 2 * (n - 1) / n if name == "all_reduce" else (n - 1) / n
 
 
-def human(nbytes: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
+COLUMNS = [("collective", "collective", "s"), ("procs", "procs"), ("size", "bytes", "bytes"),
+           ("tpudist ms", lambda r: r["tpudist_s"] * 1e3, ".3f"), ("gloo ms", lambda r: r["gloo_s"] * 1e3, ".3f"),
+           ("ratio", "ratio", ".2f"), ("algbw GB/s", "algbw_GBps", ".3f"), ("busbw GB/s", "busbw_GBps", ".3f"),
+           ("gloo busbw", "gloo_busbw_GBps", ".3f"), ("xla ms", lambda r: r["xla_s"] * 1e3, ".3f"),
+           ("gloo+copy ms", lambda r: r["gloo_copy_s"] * 1e3 if "gloo_copy_s" in r else None, ".3f")]
+BASELINE_COLUMNS = [("collective", "collective", "s"), ("procs", "procs"), ("size", "bytes", "bytes"),
+                    ("baseline ms", lambda r: r["baseline_s"] * 1e3, ".3f"),
+                    ("this ms", lambda r: r["this_s"] * 1e3, ".3f"), ("this/baseline", "ratio", ".2f"),
+                    ("gloo ms", lambda r: r["gloo_s"] * 1e3, ".3f")]
 
 
 def main() -> None:
@@ -157,43 +154,32 @@ def main() -> None:
     parser.add_argument("--min-bytes", default="0")
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per measurement (approx.)")
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    parser.add_argument("--json", default="bench-results/collectives.json")
+    _bench.add_output_args(parser, "collectives")
     parser.add_argument("--plot-only", metavar="JSON", help="draw JSON's picture (JSON stem + .png) and exit")
     parser.add_argument("--baseline", metavar="DIR", help="also measure the tpudist checked out in DIR, alternating")
     parser.add_argument("--rounds", type=int, default=3, help="alternations with --baseline")
-    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = parser.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
-            print(f"PNG: {plot(json.load(f)['rows'], args.plot_only)}")
+            rows = json.load(f)["rows"]
+        _bench.Output(args.plot_only).picture(lambda png: plot(rows, png))
         return
     byte_sizes = sizes(_parse_bytes(args.max_bytes), _parse_bytes(args.min_bytes))
     if args.baseline:
         return compare(args)
     rows: list[dict] = []
     for n in args.procs:
-        rows += tpudist.spawn(measure, args=(byte_sizes, args.budget, tuple(args.collectives)), nprocs=n, cpu_devices=1, timeout=3600)[0]
-    print(f"{'collective':15} {'procs':>5} {'size':>10} {'tpudist ms':>11} {'gloo ms':>9} {'ratio':>6} "
-          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo busbw':>10} {'xla ms':>8} {'gloo+copy ms':>12}")
+        rows += tpudist.spawn(measure, args=(byte_sizes, args.budget, tuple(args.collectives)), nprocs=n,
+                              cpu_devices=1, timeout=3600)[0]
     for r in rows:
         r["ratio"] = r["tpudist_s"] / r["gloo_s"]
         r["algbw_GBps"] = r["bytes"] / r["tpudist_s"] / 1e9
         r["busbw_GBps"] = r["algbw_GBps"] * bus_factor(r["collective"], r["procs"])
         r["gloo_busbw_GBps"] = r["bytes"] / r["gloo_s"] / 1e9 * bus_factor(r["collective"], r["procs"])
-        print(f"{r['collective']:15} {r['procs']:>5} {human(r['bytes']):>10} {r['tpudist_s'] * 1e3:>11.3f} "
-              f"{r['gloo_s'] * 1e3:>9.3f} {r['ratio']:>6.2f} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f} "
-              f"{r['gloo_busbw_GBps']:>10.3f} {r['xla_s'] * 1e3:>8.3f} "
-              f"{format(r['gloo_copy_s'] * 1e3, '.3f') if 'gloo_copy_s' in r else '-':>12}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
-    print(f"JSON: {args.json}")
-    if args.no_plot:
-        return
-    try:
-        print(f"PNG: {plot(rows, args.json)}")
-    except ImportError as e:
-        print(f"no PNG: {e} (pip install -e .[bench] for matplotlib)")
+    print(_bench.table(rows, COLUMNS, "median time per call (the slowest rank's); ratio = tpudist / gloo"))
+    out = _bench.Output.from_args(args)
+    out.write({"rows": rows}, announce=True)
+    out.picture(lambda png: plot(rows, png))
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -203,43 +189,38 @@ def compare(args: argparse.Namespace) -> None:
     trees = {"baseline": os.path.abspath(args.baseline), "this": here}
     times: dict[tuple, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for n in args.procs:
-                for label, tree in trees.items():
-                    out = os.path.join(tmp, f"{label}.json")
-                    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
-                    subprocess.run([sys.executable, os.path.abspath(__file__), "--procs", str(n), "--max-bytes",
-                                    args.max_bytes, "--min-bytes", args.min_bytes, "--budget", str(args.budget),
-                                    "--collectives", *args.collectives, "--json", out, "--no-plot"],
-                                   env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
-                    with open(out) as f:
-                        for r in json.load(f)["rows"]:
-                            t = times.setdefault((r["collective"], r["procs"], r["bytes"]), {})
-                            t.setdefault(label, []).append(r["tpudist_s"])
-                            t.setdefault("gloo", []).append(r["gloo_s"])
-    print(f"{'collective':15} {'procs':>5} {'size':>10} {'baseline ms':>11} {'this ms':>9} {'this/baseline':>13} {'gloo ms':>8}")
+        def run(n: int, label: str) -> Callable[[], None]:
+            def side() -> None:
+                out = os.path.join(tmp, f"{label}.json")
+                path = os.pathsep.join(filter(None, [trees[label], os.environ.get("PYTHONPATH")]))
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--procs", str(n), "--max-bytes",
+                                args.max_bytes, "--min-bytes", args.min_bytes, "--budget", str(args.budget),
+                                "--collectives", *args.collectives, "--json", out, "--no-plot"],
+                               env={**os.environ, "PYTHONPATH": path}, check=True, stdout=subprocess.DEVNULL,
+                               timeout=3600)
+                with open(out) as f:
+                    for r in json.load(f)["rows"]:
+                        t = times.setdefault((r["collective"], r["procs"], r["bytes"]), {})
+                        t.setdefault(label, []).append(r["tpudist_s"])
+                        t.setdefault("gloo", []).append(r["gloo_s"])
+            return side
+        _bench.alternate({(n, label): run(n, label) for n in args.procs for label in trees}, args.rounds)
     rows = []
     for (name, n, nbytes), t in sorted(times.items()):
         row = {"collective": name, "procs": n, "bytes": nbytes,
                **{f"{label}_s": statistics.median(v) for label, v in t.items()}}
         row["ratio"] = row["this_s"] / row["baseline_s"]
         rows.append(row)
-        print(f"{name:15} {n:>5} {human(nbytes):>10} {row['baseline_s'] * 1e3:>11.3f} {row['this_s'] * 1e3:>9.3f} "
-              f"{row['ratio']:>13.2f} {row['gloo_s'] * 1e3:>8.3f}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"argv": sys.argv, "baseline": trees["baseline"], "rows": rows}, f, indent=1)
-    print(f"JSON: {args.json}")
+    print(_bench.table(rows, BASELINE_COLUMNS,
+                       f"tpudist here and in {trees['baseline']}, median of {args.rounds} rounds"))
+    _bench.Output.from_args(args).write({"baseline": trees["baseline"], "rows": rows}, announce=True)
 
 
-def plot(rows: list[dict], json_path: str) -> str:
-    """Draws rows' ratio-vs-size picture beside `json_path` (same stem, .png); returns its path."""
-    import _plots  # scripts/_plots.py, beside this script
-    png = os.path.splitext(json_path)[0] + ".png"
+def plot(rows: list[dict], png: Path) -> Path:
+    """Draws rows' ratio-vs-size picture at `png`."""
     procs = sorted({r["procs"] for r in rows})
-    _plots.ratio_vs_size(rows, png, title=f"tpudist / torch.distributed gloo on CPU, "
-                                           f"{' and '.join(map(str, procs))} processes ({os.path.basename(json_path)})")
-    return png
+    runs = f"{' and '.join(map(str, procs))} processes ({png.with_suffix('.json').name})"
+    return _plots.ratio_vs_size(rows, png, title=f"tpudist / torch.distributed gloo on CPU, {runs}")
 
 
 if __name__ == "__main__":

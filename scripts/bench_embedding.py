@@ -2,7 +2,7 @@
 """Sharded embedding vs a replicated-table data-parallel baseline, for 1, 2 and 4 processes.
 
     .venv/bin/python scripts/bench_embedding.py [--rows 131072] [--features 32] [--batch 2048]
-                                                [--bag 4] [--steps 10] [--procs 1,2,4] [--json FILE]
+                                                [--bag 4] [--steps 10] [--procs 1,2,4] [--json FILE] [--no-plot]
 
 One training step = bag-sum lookup of (batch, bag) ids, loss, gradient, SGD update of the table,
 compiled with `tpudist.compile` over every device of N processes (1 CPU device each), same global
@@ -14,24 +14,22 @@ batch and table for every row:
   ids split the same way, one row per lookup algorithm (see docs/mesh_and_compile.md).
 
 Per-device memory is XLA's own analysis of the compiled step (arguments + outputs + temporaries
-- donated aliases); step time is the median of --steps blocked steps after two warm-up steps.
-Prints a table, then the results as JSON (also written to --json).
+- donated aliases); step time is the median of --steps blocked steps after two warm-up steps, the
+variants taking turns step by step (scripts/_bench.py). Prints a table, writes the JSON
+(bench-results/embedding.json by default) and a PNG beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
+import _bench
+import _plots
 import tpudist
-from _report import text_table  # scripts/_report.py
 
 VARIANTS = ("replicated", "sharded/psum", "sharded/psum_scatter", "sharded/all_to_all")
 MIB = 1 << 20
@@ -55,7 +53,7 @@ def _job(index: int, cfg: Config) -> list[dict]:
     rng = np.random.default_rng(0)
     ids = (cfg.rows * rng.random((cfg.batch, cfg.bag)) ** 2).astype(np.int32)  # skewed popularity
     weights = rng.normal(size=(cfg.batch, cfg.features)).astype(np.float32)
-    results = []
+    sides, about = {}, {}
     for variant in VARIANTS:
         if variant == "replicated":
             mesh = tpudist.mesh.make_mesh({"data": -1})
@@ -80,17 +78,22 @@ def _job(index: int, cfg: Config) -> list[dict]:
         step = tpudist.compile(train, mesh=mesh, in_specs=(None, batch_spec, batch_spec),
                                donate_argnums=0, name=variant)
         rows = tpudist.mesh.process_slice(mesh, (cfg.batch,), batch_spec)[0]
-        local_ids, local_w = ids[rows], weights[rows]
-        memory = step.compiled(table, local_ids, local_w).memory_analysis()
-        times = []
-        for i in range(cfg.steps + 2):
-            start = time.perf_counter()
-            table, loss = step(table, local_ids, local_w)
-            jax.block_until_ready(table)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        shard = table.addressable_shards[0].data
-        seconds = statistics.median(times)
+        local = (ids[rows], weights[rows])
+        state = {"table": table}
+
+        def one_step(step=step, local=local, state=state):
+            state["table"], _ = step(state["table"], *local)
+            return state["table"]
+
+        memory = step.compiled(table, *local).memory_analysis()
+        sides[variant] = _bench.Side(one_step, wait=jax.block_until_ready)
+        about[variant] = (state, memory)
+    # One blocked step of each variant per round, the anchor among them, two warm-up steps each.
+    times = _bench.interleave(sides, rounds=cfg.steps, warmup=2)
+    results = []
+    for variant, (state, memory) in about.items():
+        shard = state["table"].addressable_shards[0].data
+        seconds = times[variant].median
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                  + memory.temp_size_in_bytes - memory.alias_size_in_bytes) if memory else None
         results.append({
@@ -104,10 +107,8 @@ def _job(index: int, cfg: Config) -> list[dict]:
     return results
 
 
-def _table(rows: list[dict]) -> str:
-    cols = ["processes", "variant", "step_ms", "examples_per_s", "table_mib_per_device",
-            "xla_mib_per_device", "temp_mib_per_device"]
-    return text_table(rows, cols)
+COLUMNS = [("processes", "processes"), ("variant", "variant", "s")] + [
+    (c, c) for c in ("step_ms", "examples_per_s", "table_mib_per_device", "xla_mib_per_device", "temp_mib_per_device")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for field in dataclasses.fields(Config):
         parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
     parser.add_argument("--procs", default="1,2,4", help="comma-separated process counts")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    _bench.add_output_args(parser, "embedding")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process count")
     args = parser.parse_args(argv)
     cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
@@ -127,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             slowest = max(variant_rows, key=lambda r: r["step_ms"])
             rows.append({**slowest, "examples_per_s": min(r["examples_per_s"] for r in variant_rows)})
         print(f"[{nprocs} process(es) done]", file=sys.stderr, flush=True)
-    print(f"table {cfg.rows} x {cfg.features} float32 ({cfg.rows * cfg.features * 4 / MIB:.0f} MiB), "
-          f"global batch {cfg.batch} x bag {cfg.bag}, 1 CPU device per process, median of {cfg.steps} steps")
-    print(_table(rows))
-    report = {"config": dataclasses.asdict(cfg), "anchor": "replicated", "results": rows}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(_bench.table(rows, COLUMNS, f"table {cfg.rows} x {cfg.features} float32 "
+                       f"({cfg.rows * cfg.features * 4 / MIB:.0f} MiB), global batch {cfg.batch} x bag {cfg.bag}, "
+                       f"1 CPU device per process, median of {cfg.steps} steps"))
+    out = _bench.Output.from_args(args)
+    out.write({"config": dataclasses.asdict(cfg), "anchor": "replicated", "results": rows}, announce=True)
+    out.picture(lambda png: _plots.time_bars(rows, png, keys=["step_ms"], labels=["step (ms)"],
+                                             group=["variant", "processes"], ylabel="ms per step",
+                                             title="sharded embedding vs a replicated table"))
     return 0
 
 

@@ -17,8 +17,9 @@ scripts/_sshd.py) it measures, in the same run:
 One process per host runs `echo ready; exec sleep 600`. All hosts share this machine's cores, so
 per-host work (sshd, bash, the Python agent) adds up here where a real pod runs it in parallel on
 every host. sshd runs with an empty ~/.bashrc where possible (see scripts/_sshd.py; the JSON says
-so), the same for every tool. Each number is the best of --repeat runs, since the machine may be
-shared. Prints a table and JSON.
+so), the same for every tool. The tools take turns run by run and each number is the median of
+--repeat runs (scripts/_bench.py), since the machine may be shared. Prints a table, writes JSON
+(bench-results/launch.json by default) and a PNG beside it.
 
     .venv/bin/python scripts/bench_launch.py --hosts 1,8,32,64 --repeat 2 --json bench.json
 """
@@ -26,18 +27,19 @@ shared. Prints a table and JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import uuid
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _sshd import LoopbackSshd  # noqa: E402
+import _bench
+import _plots
+from _sshd import LoopbackSshd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -117,55 +119,57 @@ def tpudist(sshd: LoopbackSshd, timeout: float, mode: str) -> dict:
     return {"start": started, "end": ended, "launcher_cpu": cpu, "start_machine_cpu": start_cpu, "left": len(left)}
 
 
+COLUMNS = [("hosts", "hosts"), ("ssh fan-out s", "ssh_fanout_s", ".2f"), ("pdsh s", "pdsh_s", ".2f"),
+           ("tpudist start s", "tpudist_start_s", ".2f"), ("x ssh", "start_vs_ssh", ".2f"),
+           ("stop (^C) s", "tpudist_stop_s", ".2f"), ("fail-fast s", "tpudist_fail_fast_s", ".2f"),
+           ("launcher cpu s", "launcher_cpu_s", ".2f"), ("cpu: ssh s", "ssh_machine_cpu_s", ".2f"),
+           ("tpudist s", "start_machine_cpu_s", ".2f"), ("left", "processes_left")]
+
+
+def measure(sshd: LoopbackSshd, repeat: int, timeout: float) -> dict:
+    """One row: the anchor (ssh fan-out), pdsh and tpudist's two jobs, interleaved run by run;
+    medians over the runs (tpudist's start over both of its jobs), the most processes left."""
+    ssh_fanout(sshd, timeout)  # warm-up: page cache, sshd's first forks
+    got = _bench.alternate({"ssh": lambda: ssh_fanout(sshd, timeout), "pdsh": lambda: pdsh(sshd, timeout),
+                            "stop": lambda: tpudist(sshd, timeout, "stop"),
+                            "fail": lambda: tpudist(sshd, timeout, "fail")}, repeat)
+    jobs = got["stop"] + got["fail"]
+    runs = {"ssh": [e for e, _ in got["ssh"]], "ssh_cpu": [c for _, c in got["ssh"]], "pdsh": got["pdsh"],
+            "start": [j["start"] for j in jobs], "start_cpu": [j["start_machine_cpu"] for j in jobs],
+            "stop": [j["end"] for j in got["stop"]], "fail": [j["end"] for j in got["fail"]],
+            "cpu": [j["launcher_cpu"] for j in jobs], "left": [j["left"] for j in jobs]}
+    m = {k: statistics.median(v) for k, v in runs.items()}
+    row = {"hosts": len(sshd.addresses), "ssh_fanout_s": m["ssh"], "pdsh_s": m["pdsh"],
+           "tpudist_start_s": m["start"], "tpudist_stop_s": m["stop"], "tpudist_fail_fast_s": m["fail"],
+           "launcher_cpu_s": m["cpu"], "ssh_machine_cpu_s": m["ssh_cpu"], "start_machine_cpu_s": m["start_cpu"],
+           "processes_left": max(runs["left"]), "clean_login": sshd.clean_login, "runs": runs}
+    row["start_vs_ssh"] = row["tpudist_start_s"] / row["ssh_fanout_s"]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", default="1,8,32,64", help="host counts to measure")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement, interleaved; the median is reported")
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--json", metavar="FILE", help="also write the results here")
+    _bench.add_output_args(ap, "launch")
     ap.add_argument("--machine-bashrc", action="store_true",
                     help="keep this machine's ~/.bashrc in every SSH session (default: an empty one)")
     args = ap.parse_args()
     results = []
     for n in [int(x) for x in args.hosts.split(",")]:
         with LoopbackSshd(n, clean_login=not args.machine_bashrc) as sshd:
-            ssh_fanout(sshd, args.timeout)  # warm-up: page cache, sshd's first forks
-            runs: dict[str, list] = {k: [] for k in ("ssh", "ssh_cpu", "pdsh", "start", "start_cpu", "stop",
-                                                     "fail", "cpu", "left")}
-            for _ in range(args.repeat):
-                elapsed, cpu = ssh_fanout(sshd, args.timeout)
-                runs["ssh"].append(elapsed)
-                runs["ssh_cpu"].append(cpu)
-                runs["pdsh"].append(pdsh(sshd, args.timeout))
-                stop = tpudist(sshd, args.timeout, "stop")
-                fail = tpudist(sshd, args.timeout, "fail")
-                runs["start"] += [stop["start"], fail["start"]]
-                runs["start_cpu"] += [stop["start_machine_cpu"], fail["start_machine_cpu"]]
-                runs["stop"].append(stop["end"])
-                runs["fail"].append(fail["end"])
-                runs["cpu"] += [stop["launcher_cpu"], fail["launcher_cpu"]]
-                runs["left"] += [stop["left"], fail["left"]]
-        row = {"hosts": n, "ssh_fanout_s": min(runs["ssh"]), "pdsh_s": min(runs["pdsh"]),
-               "tpudist_start_s": min(runs["start"]), "tpudist_stop_s": min(runs["stop"]),
-               "tpudist_fail_fast_s": min(runs["fail"]), "launcher_cpu_s": min(runs["cpu"]),
-               "ssh_machine_cpu_s": min(runs["ssh_cpu"]), "start_machine_cpu_s": min(runs["start_cpu"]),
-               "processes_left": max(runs["left"]), "clean_login": sshd.clean_login, "runs": runs}
-        row["start_vs_ssh"] = row["tpudist_start_s"] / row["ssh_fanout_s"]
-        results.append(row)
-        print(f"measured {n} hosts: {row['tpudist_start_s']:.2f} s start vs {row['ssh_fanout_s']:.2f} s ssh",
-              file=sys.stderr)
-    header = (f"{'hosts':>5}  {'ssh fan-out':>11}  {'pdsh':>6}  {'tpudist start':>13}  {'x ssh':>5}  "
-              f"{'stop (^C)':>9}  {'fail-fast':>9}  {'launcher cpu':>12}  {'cpu: ssh':>8}  {'tpudist':>7}  {'left':>4}")
-    print(header)
-    for r in results:
-        print(f"{r['hosts']:>5}  {r['ssh_fanout_s']:>10.2f}s  {r['pdsh_s']:>5.2f}s  {r['tpudist_start_s']:>12.2f}s  "
-              f"{r['start_vs_ssh']:>5.2f}  {r['tpudist_stop_s']:>8.2f}s  {r['tpudist_fail_fast_s']:>8.2f}s  "
-              f"{r['launcher_cpu_s']:>11.2f}s  {r['ssh_machine_cpu_s']:>7.2f}s  {r['start_machine_cpu_s']:>6.2f}s  "
-              f"{r['processes_left']:>4}")
-    doc = {"benchmark": "launch", "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "results": results}
-    print(json.dumps(doc))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(doc, indent=2))
+            results.append(measure(sshd, args.repeat, args.timeout))
+        print(f"measured {n} hosts: {results[-1]['tpudist_start_s']:.2f} s start vs "
+              f"{results[-1]['ssh_fanout_s']:.2f} s ssh", file=sys.stderr)
+    print(_bench.table(results, COLUMNS, f"launch over SSH to loopback hosts, median of {args.repeat} runs"))
+    out = _bench.Output.from_args(args)
+    out.write({"benchmark": "launch", "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "results": results},
+              announce=True)
+    out.picture(lambda png: _plots.time_bars(
+        results, png, keys=["ssh_fanout_s", "pdsh_s", "tpudist_start_s", "tpudist_stop_s", "tpudist_fail_fast_s"],
+        labels=["ssh fan-out", "pdsh", "tpudist start", "stop (^C)", "fail-fast"],
+        group=lambda r: f"{r['hosts']} hosts", ylabel="seconds", title="tpudist launch vs ssh fan-out"))
     return 0
 
 

@@ -3,28 +3,27 @@
 processes, timed call by call with no profile, under `tpudist.profile`, and with none again; and what
 one `tpudist.span` costs, off and on.
 
-    python scripts/bench_profile.py [--calls 2000] [--steps 500] [--json bench-results/profile.json]
+    python scripts/bench_profile.py [--calls 2000] [--steps 500] [--json bench-results/profile.json] [--no-plot]
 
-Prints median times per call (rank 0), off and on alternating round by round. A tpudist without `tpudist.profile` (an older checkout on
-PYTHONPATH) is timed without the profiled phase, as the baseline the flag checks are compared with.
+Prints median times per call (rank 0), off and on alternating round by round (scripts/_bench.py).
+A tpudist without `tpudist.profile` (an older checkout on PYTHONPATH) is timed without the profiled
+phase, as the baseline the flag checks are compared with.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
+import contextlib
 import tempfile
-import time
-import timeit
 
+import _bench
+import _plots
 import tpudist
 
 
 def _span_costs(n: int = 100_000) -> dict[str, float]:
-    """ns per call (best of 7) of a span while off or on, beside an empty function's call."""
+    """ns per call (median of 7 interleaved runs of n) of a span while off or on, beside an empty
+    function's call (the anchor)."""
     span = tpudist.span
     from tpudist import _profile
 
@@ -43,9 +42,19 @@ def _span_costs(n: int = 100_000) -> dict[str, float]:
     def nothing():
         pass
 
-    return {name: min(timeit.repeat(fn, number=n, repeat=7)) / n * 1e9
-            for name, fn in (("empty function", nothing), ("flag check (tpudist's call sites)", flag),
-                             ("with span(name)", with_span), ("with span(name, rows=3)", with_fields))}
+    times = _bench.interleave({"empty function": nothing, "flag check (tpudist's call sites)": flag,
+                               "with span(name)": with_span, "with span(name, rows=3)": with_fields},
+                              rounds=7, steps=n)
+    return {name: t.median * 1e9 for name, t in times.items()}
+
+
+@contextlib.contextmanager
+def _profiled(directory: str):
+    tpudist.start_profile(directory)
+    try:
+        yield
+    finally:
+        tpudist.stop_profile()
 
 
 def job(index: int, calls: int, steps: int, rounds: int, directory: str, never: bool) -> dict:
@@ -70,37 +79,27 @@ def job(index: int, calls: int, steps: int, rounds: int, directory: str, never: 
         state["w"], loss = step(state["w"], batch)
         jax.block_until_ready(loss)
 
-    def timed(fn, n: int) -> list[float]:
-        tpudist.barrier()
-        out = []
-        for _ in range(n):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-        return out
-
-    for _ in range(50):
+    def all_reduce():
         tpudist.all_reduce(x)
-        one_step()
-    # Off and on alternate, round after round, so that both see the same machine load.
-    samples = {mode: {"all_reduce": [], "step": []} for mode in ("off", "on")}
+
+    # Off and on alternate, round after round, so that both see the same machine load; every call
+    # is timed alone, each run starting at a barrier.
+    sides = {}
+    for mode in ("off", "on") if profiled else ("off",):
+        around = (lambda: _profiled(directory)) if mode == "on" else contextlib.nullcontext
+        sides[f"{mode}/all_reduce"] = _bench.Side(all_reduce, around=around, steps=calls // rounds)
+        sides[f"{mode}/step"] = _bench.Side(one_step, around=around, steps=steps // rounds)
+    times = _bench.interleave(sides, rounds=rounds, warmup=25, per_call=True, before_run=tpudist.barrier)
     spans: dict[str, dict[str, float]] = {}
-    for _ in range(rounds):
-        for mode in ("off", "on") if profiled else ("off",):
-            if mode == "on":
-                tpudist.start_profile(directory)
-            samples[mode]["all_reduce"] += timed(lambda: tpudist.all_reduce(x), calls // rounds)
-            samples[mode]["step"] += timed(one_step, steps // rounds)
-            if mode == "on":
-                tpudist.stop_profile()
     if profiled:
         spans["off"] = _span_costs()
         with tpudist.profile(directory):
             spans["on"] = _span_costs()
-    return {"rank": index, "profiled": profiled,
-            "median_us": {mode: {k: statistics.median(v) * 1e6 for k, v in s.items()}
-                          for mode, s in samples.items() if s["step"]},
-            "span_ns": spans}
+    median_us: dict[str, dict[str, float]] = {}
+    for side, timing in times.items():
+        mode, what = side.split("/")
+        median_us.setdefault(mode, {})[what] = timing.median * 1e6
+    return {"rank": index, "profiled": profiled, "median_us": median_us, "span_ns": spans}
 
 
 def main() -> None:
@@ -109,22 +108,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500, help="compiled steps per phase")
     parser.add_argument("--rounds", type=int, default=5, help="off/on alternations")
     parser.add_argument("--never", action="store_true", help="only the unprofiled phase (a baseline)")
-    parser.add_argument("--json", default="bench-results/profile.json")
+    _bench.add_output_args(parser, "profile")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         results = tpudist.spawn(job, args=(args.calls, args.steps, args.rounds, directory, args.never), nprocs=2,
                                 cpu_devices=1, timeout=1800)
     first = results[0]
-    print(f"{'profile':8} {'all_reduce 1 KiB (us)':>22} {'compiled step (us)':>19}")
-    for mode, m in first["median_us"].items():
-        print(f"{mode:8} {m['all_reduce']:>22.1f} {m['step']:>19.1f}")
-    for mode, costs in first["span_ns"].items():
-        for name, ns in costs.items():
-            print(f"profile {mode}: {name}: {ns:.0f} ns")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"argv": sys.argv, "ranks": results}, f, indent=1)
-    print(f"JSON: {args.json}")
+    modes = [{"profile": mode, **m} for mode, m in first["median_us"].items()]
+    print(_bench.table(modes, [("profile", "profile", "s"), ("all_reduce 1 KiB (us)", "all_reduce", ".1f"),
+                               ("compiled step (us)", "step", ".1f")], "median per call, rank 0"))
+    spans = [{"profile": mode, "call": name, "ns": ns} for mode, costs in first["span_ns"].items()
+             for name, ns in costs.items()]
+    if spans:
+        print(_bench.table(spans, [("profile", "profile", "s"), ("call", "call", "s"), ("ns", "ns", ".0f")]))
+    out = _bench.Output.from_args(args)
+    out.write({"ranks": results}, announce=True)
+    out.picture(lambda png: _plots.time_bars(modes, png, keys=["all_reduce", "step"],
+                                             labels=["all_reduce 1 KiB", "compiled step"], group="profile",
+                                             ylabel="us per call (median)", title="tpudist.profile off and on"))
 
 
 if __name__ == "__main__":

@@ -11,20 +11,16 @@ models the per-call host work (argument crossing, dispatch) is what separates th
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
 import pstats
 import sys
-import time
-from pathlib import Path
+from cProfile import Profile
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tpudist  # noqa: E402
-from torch_models import REFERENCES, WithLoss  # noqa: E402
+import _bench
+import tpudist
+from _torch_steps import REFERENCES, WithLoss, ready, sgd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,31 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     compiled = tpudist.compile(WithLoss(model, ref.loss))
     params = list(model.parameters())
     fused_model = copy.deepcopy(model)
-    fused = tpudist.compile_train_step(fused_model, ref.loss,
-                                       torch.optim.SGD(fused_model.parameters(), lr=0.01, momentum=0.9))
+    fused = tpudist.compile_train_step(fused_model, ref.loss, sgd(fused_model.parameters()))
 
     def compiled_step() -> None:
         for p in params:
             p.grad = None
         compiled(*inputs, target).backward()
 
-    def fused_step() -> None:
-        fused((*inputs, target))
-
-    for name, step in (("compiled forward+backward", compiled_step), ("fused train step", fused_step)):
-        for _ in range(3):
-            step()
-        sync()
-        profile = cProfile.Profile()
-        start = time.perf_counter()
-        profile.enable()
-        for _ in range(args.steps):
-            step()
-        sync()
-        profile.disable()
-        elapsed = (time.perf_counter() - start) / args.steps
-        print(f"== {name}: {args.model} batch {args.batch} on {args.device}: {elapsed * 1e3:.3f} ms per step "
-              f"(under cProfile)")
+    compiled_profile, fused_profile = Profile(), Profile()
+    sides = {"compiled forward+backward": _bench.Side(compiled_step, around=lambda: compiled_profile),
+             "fused train step": _bench.Side(lambda: fused((*inputs, target)), wait=ready,
+                                             around=lambda: fused_profile)}
+    profiles = dict(zip(sides, (compiled_profile, fused_profile)))
+    # One run each, under cProfile (enabled only while its side's run is timed).
+    times = _bench.interleave(sides, rounds=1, steps=args.steps, warmup=3, sync=sync)
+    rows = [{"side": side, "ms": t.median * 1e3} for side, t in times.items()]
+    print(_bench.table(rows, [("side", "side", "s"), ("ms per step (under cProfile)", "ms", ".3f")],
+                       f"{args.model} batch {args.batch} on {args.device}"))
+    for side, profile in profiles.items():
+        print(f"== {side}")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.top)
     return 0
 

@@ -1,9 +1,14 @@
 """The package's shape: no import cycle between modules, classes and modules small enough to read.
 
-Read from the source with `ast`, nothing imported. An import counts when it runs as the module
-loads (module level, outside `if TYPE_CHECKING:`); a function-level import is a deliberate late one.
+Read from the source with `ast`, nothing imported. Every import counts, at module level or inside a
+function (a late import hides a cycle, it does not remove one), except under `if TYPE_CHECKING:`.
 Importing `a.b.c` also loads `a` and `a.b`, but when the importer lives inside `a.b` those ran before
 it did, so that is no cycle. Generated protobuf modules are left out of the size limits.
+
+The torch wing (`tpudist/compile/_torch/`) is three rooms on one floor: `lowering/` (capture, the op
+registry and ops), `module/` (`tpudist.compile(module)`) and `train/` (the fused step, its state, `fit`);
+the floor is the package's own modules (conversion, placement, packing, sync). The floor imports no
+room, `lowering` neither sibling, and `module` and `train` nothing of each other.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tpudist"
-MAX_MODULE_LINES = 450
-MAX_CLASS_LINES = 250
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 200
+TORCH = "tpudist.compile._torch"
+ROOMS = ("lowering", "module", "train")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -36,22 +43,26 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom, modules: dict[str,
             for a in node.names if f"{base}.{a.name}" in modules or base in modules}
 
 
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement in the module, at any depth, except those under `if TYPE_CHECKING:`."""
+    found, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
 def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph = {}
     for module, path in modules.items():
-        statements = []
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                statements += node.body + node.orelse
-            elif isinstance(node, ast.Try):
-                statements += node.body
-            else:
-                statements.append(node)
         edges = set()
-        for node in statements:
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
+        for node in _imports(ast.parse(path.read_text())):
             for target in _imported(module, node, modules):
                 edges.add(target)
                 parts = target.split(".")
@@ -64,7 +75,7 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_module_level_import_cycle_inside_tpudist():
+def test_no_import_cycle_inside_tpudist():
     graph = _import_graph()
     assert "tpudist.launch.supervisor" in graph and "tpudist.launch.attempt" in graph["tpudist.launch.supervisor"]
     cycles, state = [], {}
@@ -97,3 +108,33 @@ def test_no_module_or_class_too_long_to_read_in_one_sitting():
                 too_long.append(f"class {module}.{node.name}: {node.end_lineno - node.lineno + 1} lines "
                                 f"> {MAX_CLASS_LINES}")
     assert not too_long, "\n".join(too_long)
+
+
+def test_nothing_below_the_package_imports_the_package_itself():
+    # `import tpudist` inside tpudist would run the public façade from below it; import the module instead
+    importers = sorted(module for module, edges in _import_graph().items() if "tpudist" in edges and module != "tpudist")
+    assert not importers, f"import the defining module, not `tpudist`: {importers}"
+
+
+def _room(module: str) -> str | None:
+    """'floor', a room's name, or None outside the torch wing."""
+    if module == TORCH or not module.startswith(TORCH + "."):
+        return None
+    part = module[len(TORCH) + 1:].split(".")[0]
+    return part if part in ROOMS else "floor"
+
+
+def test_torch_rooms_stand_side_by_side_on_one_floor():
+    graph = _import_graph()
+    assert {_room(m) for m in graph} >= {"floor", *ROOMS}, "the torch wing lost a room: update ROOMS"
+    allowed = {"floor": {"floor"}, "lowering": {"floor", "lowering"}, "module": {"floor", "lowering", "module"},
+               "train": {"floor", "lowering", "train"}}
+    crossings = [f"{module} ({_room(module)}) imports {target} ({_room(target)})"
+                 for module, edges in sorted(graph.items()) if _room(module) not in (None,)
+                 for target in sorted(edges) if _room(target) is not None and _room(target) not in allowed[_room(module)]]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_jaxcompat_is_a_leaf():
+    # the JAX version shims sit under everything; they import nothing of tpudist
+    assert not _import_graph()["tpudist._jaxcompat"]

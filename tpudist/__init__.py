@@ -12,14 +12,13 @@ Names are imported lazily, so `import tpudist` (and the launcher) does not impor
 from __future__ import annotations
 
 import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time every name is imported on first use
-    from tpudist.compile._dispatch import compile
+# `tpudist.compile` is this function; importing it first binds the subpackage `tpudist.compile` (its
+# implementation, importable as `from tpudist.compile import ...`) once, and the name then to the function
+from tpudist.compile._dispatch import compile  # noqa: F401  (re-exported)
 
-__version__ = "0.1.0"
+from tpudist._version import __version__  # noqa: F401  (re-exported)
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -50,7 +49,6 @@ _EXPORTS = {
     "collective_stats": "tpudist.collectives",
     "CollectiveStats": "tpudist.collectives",
     # compiled steps
-    "compile": "tpudist.compile._dispatch",
     "compile_stats": "tpudist.compile",
     "CompileStats": "tpudist.compile",
     "ShardedEmbedding": "tpudist.compile",
@@ -73,13 +71,13 @@ _EXPORTS = {
     "ScalarLog": "tpudist._metrics",
     "read_scalars": "tpudist._metrics",
     # training loops
-    "optimizer_step": "tpudist._training",
-    "fit": "tpudist._training",
-    "eager_step": "tpudist._training",
+    "optimizer_step": "tpudist.compile._torch.train._fit",
+    "fit": "tpudist.compile._torch.train._fit",
+    "eager_step": "tpudist.compile._torch.train._fit",
 }
 _SUBMODULES = ("mesh", "collectives", "checkpoint", "launch", "testing", "nn", "contract")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = sorted([*_EXPORTS, "compile"]) + list(_SUBMODULES)
 
 
 def __getattr__(name: str) -> Any:
@@ -94,17 +92,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(types.ModuleType):
-    """`tpudist.compile` is the function; importing the subpackage `tpudist.compile` (which holds its
-    implementation) must not rebind the name to the subpackage, as the import system otherwise
-    does. The subpackage stays importable: `from tpudist.compile import supported_torch_ops`."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "compile" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -28,7 +28,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 
-from tpudist import contract
+import tpudist.contract as contract
 
 log = logging.getLogger("tpudist")
 

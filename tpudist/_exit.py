@@ -142,7 +142,7 @@ def _leave(deadline: Callable[[], float]) -> None:
     The shutdown runs on a thread of its own. If it has not finished in time, the runtime's
     objects are leaked on purpose (their C++ destructors would shut down, and wait, all the same)
     and taken off JAX's state, so that JAX's atexit hook finds nothing left to shut down."""
-    from tpudist import _jaxcompat
+    import tpudist._jaxcompat as _jaxcompat
 
     state = _jaxcompat.distributed_state()
     if state.client is None:

@@ -6,16 +6,20 @@ the error it raises. `tests/runtime/test_jaxcompat.py` fails on a JAX where one 
 silently fallen back, so an upgrade shows which one to look at.
 
 Nothing here imports jax at module level: `tpudist._runtime` imports this module, and `import
-tpudist` (the launcher included) must not import jax.
+tpudist` (the launcher included) must not import jax. Nor does it import any tpudist module, so that
+every layer can use it: the profiler hands its span in (`tracer`) rather than being imported here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from tpudist import _profile
-
 _DL_CPU = 1  # DLPack's kDLCPU
+
+# `tpudist._profile.span` while a profile records, None otherwise (set by tpudist._profile): a
+# buffer import or an assembly is then a named span on the trace.
+tracer: Callable[..., Any] | None = None
 
 
 def import_buffer(buffer: Any, device: Any) -> Any | None:
@@ -28,8 +32,8 @@ def import_buffer(buffer: Any, device: Any) -> Any | None:
     moved, a dtype DLPack cannot carry, an unaligned buffer); the caller then takes the public path
     (`jax.dlpack.from_dlpack` or `jax.device_put`, a copy).
     """
-    if _profile.active:  # a host -> device crossing, named on the trace
-        with _profile.span("tpudist.import_buffer", bytes=getattr(buffer, "nbytes", -1)):
+    if tracer is not None:  # a host -> device crossing, named on the trace
+        with tracer("tpudist.import_buffer", bytes=getattr(buffer, "nbytes", -1)):
             return _import_buffer(buffer, device)
     return _import_buffer(buffer, device)
 
@@ -71,8 +75,8 @@ def assemble(shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
     `jax.make_array_from_single_device_arrays`, whose checks hold by construction for tpudist's
     callers. Public fallback: that call, where the private constructor moved.
     """
-    if _profile.active:
-        with _profile.span("tpudist.assemble", shape=str(shape)):
+    if tracer is not None:
+        with tracer("tpudist.assemble", shape=str(shape)):
             return _assemble(shape, sharding, shards)
     return _assemble(shape, sharding, shards)
 

@@ -34,7 +34,7 @@ class ScalarLog:
     def __init__(self, log_dir: str | os.PathLike[str], rank: int | None = None, *,
                  flush_secs: float = 30.0) -> None:
         if rank is None:
-            from tpudist import _runtime
+            import tpudist._runtime as _runtime
             rank = _runtime.job().rank
         self.log_dir = Path(log_dir)
         self.rank = rank

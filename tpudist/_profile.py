@@ -19,7 +19,7 @@ context manager: nothing is recorded and no object is built (docs/observability.
 measured cost). tpudist's own call sites test `active` before building a span's name, so an
 unprofiled collective does not even format its signature.
 
-Nothing here imports jax at module level: `tpudist._jaxcompat` imports this module.
+Nothing here imports jax at module level: `import tpudist` must not import it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import tpudist._jaxcompat as _jaxcompat
 
 # True between start_profile() and stop_profile(). Read it, never write it, outside this module:
 # `if _profile.active:` is the whole cost of an instrumented site while nothing is being traced.
@@ -117,8 +119,8 @@ def start_profile(directory: str | Path, *, python: bool = False, perfetto: bool
     with the job's settings. RuntimeError if a profile is already running in this process.
     """
     global active, _rank_dir, _annotation
-    from tpudist import _runtime
-    job = _runtime.job()
+    from tpudist._runtime import job as current_job
+    job = current_job()
     import jax
     with _lock:
         if _rank_dir is not None:
@@ -138,6 +140,7 @@ def start_profile(directory: str | Path, *, python: bool = False, perfetto: bool
         _annotation = jax.profiler.TraceAnnotation
         _rank_dir = rank_dir
         active = True
+        _jaxcompat.tracer = span  # buffer imports and assemblies: spans too
     return rank_dir
 
 
@@ -152,6 +155,7 @@ def stop_profile() -> Path:
                                "tpudist.start_profile(directory) or `with tpudist.profile(directory):`")
         rank_dir, _rank_dir = _rank_dir, None
         active = False
+        _jaxcompat.tracer = None
         jax.profiler.stop_trace()
     return _latest_trace(rank_dir)
 

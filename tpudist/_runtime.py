@@ -14,7 +14,11 @@ import os
 import threading
 from typing import Any
 
-from tpudist import _coordinator, _jaxcompat, _jobsource, _stacks, contract
+import tpudist._coordinator as _coordinator
+import tpudist._jaxcompat as _jaxcompat
+import tpudist._jobsource as _jobsource
+import tpudist._stacks as _stacks
+import tpudist.contract as contract
 
 log = logging.getLogger("tpudist")
 
@@ -122,7 +126,7 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
                     "for slow starts.") from e
             _joined_distributed = True
             _check_joined(job)
-            from tpudist import _exit
+            import tpudist._exit as _exit
             _exit.install(job.rank, job.stop_grace, sigterm, handle_sigterm)
         _job = job
         return job

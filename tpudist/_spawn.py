@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from tpudist import contract
+import tpudist.contract as contract
 # free_port: tests import it from here
 from tpudist._proc import (become_subreaper, descendants, free_port, free_ports, send,  # noqa: F401
                            set_parent_death_signal, stop_descendants)
@@ -96,8 +96,8 @@ def _child(index: int, fn: Callable[..., Any], args: Sequence[Any], env: dict[st
     os.environ.update(env)
     try:
         if init:
-            import tpudist
-            tpudist.init()
+            from tpudist._runtime import init as join
+            join()
         result = fn(index, *args)
         # Plain pickle: torch's multiprocessing pickler would share tensors through file
         # descriptors that vanish when this process exits.

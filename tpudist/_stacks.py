@@ -36,7 +36,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from tpudist import contract
+import tpudist.contract as contract
 
 STACKS_SIGNAL = signal.SIGRTMIN + 4  # a real-time signal: nothing else in the job uses it
 STACKS_FILE, PROGRESS_FILE, READY_FILE = "stacks", "progress", "ready"

@@ -40,9 +40,9 @@ def _run(argv: list[str]) -> int:
     if command == "doctor":
         return doctor(rest)
     if command == "--version":
-        import tpudist
+        from tpudist._version import __version__
 
-        print(f"tpudist {tpudist.__version__}")
+        print(f"tpudist {__version__}")
         return 0
     print(f"tpudist: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
@@ -75,7 +75,7 @@ def tpu_doctor() -> int:
     (the check every agent makes before a job starts). 1 when it is not free."""
     import os
 
-    from tpudist import contract
+    import tpudist.contract as contract
     from tpudist.launch.agent._tpucheck import check, describe
 
     devices = os.environ.get(contract.TPU_DEVICES) or contract.DEFAULT_TPU_DEVICES

@@ -127,7 +127,7 @@ DEFAULT_TORCH_TPU_BASE_PORT = 8070  # the wrapper's default
 # transparent huge pages for glibc's large allocations. XLA:CPU allocates each output buffer afresh,
 # and where the kernel gives huge pages only on request (THP "madvise", the common default) every
 # use of a 64 MiB buffer took 16k page faults; a 64 MiB all_reduce over 2 processes went from 170 to
-# 117 ms with it, a 64 MiB add from 41 to ~20 ms (docs/collectives.md). glibc before 2.35 ignores it.
+# 117 ms with it (docs/collectives.md). glibc before 2.35 ignores it.
 GLIBC_TUNABLES = "GLIBC_TUNABLES"
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 

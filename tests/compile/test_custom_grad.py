@@ -165,8 +165,8 @@ def test_the_fused_step_trains_with_the_same_gradients(name):
 def test_checkpointed_regions_are_recomputed_in_the_backward():
     """The region becomes a jax.checkpoint (remat): its backward recomputes the region's
     intermediates from its inputs instead of keeping them, the memory trade torch's checkpoint makes."""
-    from tpudist.compile._torch._capture import capture
-    from tpudist.compile._torch._lower import lower
+    from tpudist.compile._torch.lowering._capture import capture
+    from tpudist.compile._torch.lowering._lower import lower
     for reentrant in (True, False):
         model = Net(lambda m, x: checkpoint.checkpoint(lambda t: m.b(F.gelu(m.a(t))), x * 1.0 + 0 * m.bias,
                                                        use_reentrant=reentrant).sum())

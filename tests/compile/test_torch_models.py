@@ -159,7 +159,7 @@ def test_failing_decomposition_and_lowering_name_the_op_module_and_way_out(monke
     """Failures inside torch's decomposition or inside a lowering are CaptureError /
     UnsupportedOpError naming the op, the module path and what to do, not a bare torch or JAX
     error. Stand-ins for a broken decomposition and a broken lowering, named as such below."""
-    from tpudist.compile._torch import _capture, _registry
+    from tpudist.compile._torch.lowering import _capture, _registry
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.GELU()))
     table = dict(_capture._decompositions())

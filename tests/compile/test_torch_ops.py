@@ -24,7 +24,7 @@ from hypothesis.extra import numpy as hnp
 import tpudist
 from tpudist.compile._torch import CaptureError, supported_ops
 from tpudist.compile._torch._convert import jax_dtype
-from tpudist.compile._torch._registry import lookup
+from tpudist.compile._torch.lowering._registry import lookup
 
 from compiled_check import Fn, check_compiled
 
@@ -500,7 +500,7 @@ def test_compiled_attention_forms():
 
 
 def test_attention_is_one_op_and_its_dropout_is_random():
-    from tpudist.compile._torch._capture import capture
+    from tpudist.compile._torch.lowering._capture import capture
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
     captured = capture(Fn(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)), (randn(2, 2, 5, 4),), {})
     assert captured.op_counts == {"tpudist.attention.default": 1}  # not torch's matmuls and softmax

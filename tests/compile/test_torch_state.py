@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpudist
-from tpudist.compile._torch import _state
+from tpudist.compile._torch.train import _state
 
 
 def model() -> nn.Module:

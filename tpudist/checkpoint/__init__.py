@@ -18,7 +18,7 @@ one that every process sees (a shared file system, or GCS). See docs/checkpoint.
 
 from __future__ import annotations
 
-from tpudist.checkpoint._store import (DEFAULT_TIMEOUT, CheckpointError, SaveHandle, latest_step,
-                                       restore, save, wait)
+from tpudist.checkpoint._restore import restore
+from tpudist.checkpoint._store import DEFAULT_TIMEOUT, CheckpointError, SaveHandle, latest_step, save, wait
 
 __all__ = ["CheckpointError", "DEFAULT_TIMEOUT", "SaveHandle", "latest_step", "restore", "save", "wait"]

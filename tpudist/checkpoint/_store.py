@@ -1,4 +1,4 @@
-"""Saving, restoring and finding checkpoints, on orbax-checkpoint.
+"""Saving and finding checkpoints, on orbax-checkpoint, and the job state that restoring shares.
 
 Layout: orbax's own, `DIRECTORY/<step>/default/` per step (a `CheckpointManager` of one item,
 saved with `PyTreeSave`): every process writes its own shards into its own `ocdbt.process_<i>`
@@ -15,10 +15,7 @@ commit (see _verify); `restore` checks them before it reads, each process its sh
 and `latest_step(verify=True)` skips steps that fail. A save that fails removes its temporary
 directory, so a full disk does not stay full of a step that will never commit.
 
-Restoring reads with orbax's PyTree handler directly instead of through `CheckpointManager.restore`,
-whose closing barrier would keep the processes that read their shards waiting until a timeout
-when another process failed: here every process posts its outcome to the job's key-value store and
-raises as soon as any process failed, naming it.
+Restoring is in `_restore`.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -37,7 +33,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from tpudist import _runtime, contract
+import tpudist._runtime as _runtime
+import tpudist.contract as contract
 from tpudist.checkpoint import _tree, _verify
 
 log = logging.getLogger("tpudist.checkpoint")
@@ -208,6 +205,12 @@ def _save_failed(path: str, step: int | None, e: BaseException) -> CheckpointErr
                            "before it are intact; free space (or fix the cause) and save again")
 
 
+def _trim(text: str) -> str:
+    """`text` without TensorStore's spec dump, on one line."""
+    text = text.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
+    return " ".join(text.split())
+
+
 def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Directory:
     d = state.directories.get(path)
     if d is not None and (d.keep, d.timeout) == (keep, timeout):
@@ -304,128 +307,3 @@ def _wait_at_exit() -> None:
             d.manager.close()
         except Exception as e:  # noqa: BLE001 - at exit: report, never mask the program's own exit
             log.error("tpudist.checkpoint: %s", e)
-
-
-# -- restoring ------------------------------------------------------------------------------------
-
-def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
-            timeout: float = DEFAULT_TIMEOUT) -> tuple[int, Any]:
-    """Returns `(step, state)` read from `directory` (its latest committed step unless `step`
-    is given), with the structure, kinds, dtypes and shardings of `like`; every process calls it.
-
-    Each jax array is read into the sharding of its `like` leaf, so each process reads only the
-    shards its devices hold; `like` may hold `jax.ShapeDtypeStruct`s with shardings instead of
-    arrays (no memory). Torch tensors come back as torch tensors, numpy as numpy. Nothing is
-    loaded unless everything matches and reads on every process:
-
-    - no directory, no committed step, or no step `step`: FileNotFoundError naming the path;
-    - another tree (missing or extra keys, another shape or dtype): ValueError naming the path,
-      the key and both sides;
-    - a step that is incomplete, truncated or corrupt, or another process that failed:
-      CheckpointError naming the path and what is missing.
-
-    Example::
-
-        step, state = tpudist.checkpoint.restore("/ckpt/run1", like=state)
-    """
-    path = _path(directory)
-    job = _job_state()
-    with job.lock:
-        job.restores += 1
-        call = job.restores
-    result: tuple[int, Any] | None = None
-    error: BaseException | None = None
-    try:
-        # Each process checks its share of the files; _agree tells every process of a failure.
-        shared = _runtime.kv_client() is not None
-        result = _restore_here(path, like, step, job.job.rank if shared else 0,
-                               job.job.world_size if shared else 1)
-    except Exception as e:  # noqa: BLE001 - shared with the other processes, then raised
-        error = e
-    _agree(job, f"restore/{call}", f"restoring {path}", error, timeout)
-    assert result is not None
-    return result
-
-
-def _restore_here(path: str, like: Any, step: int | None, rank: int, world: int) -> tuple[int, Any]:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint directory {path}")
-    found = _steps(path)
-    if step is None:
-        if not found:
-            raise FileNotFoundError(f"{path} holds no committed checkpoint{_interrupted(path)}")
-        step = found[-1]
-    elif step not in found:
-        raise FileNotFoundError(f"{path} has no committed step {step}; its steps are {found}"
-                                f"{_interrupted(path)}")
-    where = f"{path} step {step}"
-    item = _item(path, step)
-    problem = _verified(path, step, rank, world)
-    if problem is not None:
-        raise CheckpointError(f"{where} is incomplete or corrupt: {problem}. Nothing was loaded; "
-                              f"restore an earlier step (step=N; latest_step({path!r}, verify=True) "
-                              f"names the newest that verifies) or delete step {step}")
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        try:
-            metadata = handler.metadata(item)
-        except Exception as e:  # noqa: BLE001 - re-raised with the path
-            raise CheckpointError(f"{where} is corrupt: cannot read its tree metadata "
-                                  f"{item / '_METADATA'}: {_reason(e)}") from e
-        _tree.check(metadata.tree, like, where)
-        _tree.block_until_ready(like)
-        target, restore_args = _tree.restore_plan(like)
-        try:
-            restored = handler.restore(item, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
-        except Exception as e:  # noqa: BLE001 - re-raised with the path
-            raise CheckpointError(f"{where} is incomplete or corrupt: {_reason(e)}") from e
-    finally:
-        handler.close()
-    return step, _tree.like_kinds(like, restored)
-
-
-def _reason(e: BaseException) -> str:
-    """The innermost message of an exception chain (TensorStore's status, e.g. `NOT_FOUND: Error
-    reading "w/0.0" in OCDBT database ...`), without TensorStore's spec dump."""
-    chain: list[BaseException] = []
-    while e is not None and len(chain) < 8:
-        if isinstance(e, json.JSONDecodeError):  # json's own cause is a bare StopIteration(347)
-            return f"it is truncated or not valid JSON ({e})"
-        if not isinstance(e, StopIteration):
-            chain.append(e)
-        e = e.__cause__ or e.__context__
-    if not chain:
-        return "unknown error"
-    deepest = next((x for x in reversed(chain) if str(x).strip()), chain[0])
-    return _trim(str(deepest))
-
-
-def _trim(text: str) -> str:
-    """`text` without TensorStore's spec dump, on one line."""
-    text = text.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
-    return " ".join(text.split())
-
-
-def _agree(job: _Job, key: str, what: str, error: BaseException | None, timeout: float) -> None:
-    """Every process learns whether every other one succeeded: raises this process's own error,
-    else CheckpointError naming the first other process that failed."""
-    client = _runtime.kv_client()
-    if client is None:
-        if error is not None:
-            raise error
-        return
-    prefix = f"tpudist/checkpoint/{key}/"
-    rank, world = job.job.rank, job.job.world_size
-    client.key_value_set(prefix + str(rank), "" if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    for other in range(world):
-        if other == rank:
-            continue
-        try:
-            outcome = client.blocking_key_value_get(prefix + str(other), int(timeout * 1000))
-        except Exception as e:  # noqa: BLE001 - a deadline, reported as such
-            raise CheckpointError(f"process {other} did not finish {what} within {timeout:g}s") from e
-        if outcome:
-            raise CheckpointError(f"process {other} failed {what}, so process {rank} loaded nothing "
-                                  f"either: {outcome}")

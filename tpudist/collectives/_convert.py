@@ -16,14 +16,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpudist._buffers import DTYPES, numpy_view, torch_dtypes, torch_view
 from tpudist._jaxcompat import import_buffer
 
 # Python scalar type -> the numpy dtype it travels as (the result converts back to the Python type).
 _SCALARS = {bool: np.bool_, int: np.int64, float: np.float64}
 
-SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
-    "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")) + (
-    np.dtype(jax.numpy.bfloat16),)
+SUPPORTED_DTYPES = tuple(DTYPES[name] for name in (
+    "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool", "bfloat16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +39,6 @@ class Leaf:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-_TORCH_DTYPES = {name: np.dtype(name) for name in (
-    "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")}
-_TORCH_DTYPES["bfloat16"] = np.dtype(jax.numpy.bfloat16)
 
 
 def torch_module() -> Any:
@@ -78,7 +73,7 @@ def _describe(kind: str, cls: type, dtype: Any, shape: tuple[int, ...], layout: 
         torch = torch_module()
         if layout == torch.sparse_coo or dtype.is_complex:
             raise TypeError(f"tpudist collectives take dense real tensors, got {layout} {dtype}")
-        known = _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
+        known = torch_dtypes().get(dtype)
         return Leaf("torch", tuple(shape), _checked(np.dtype(object if known is None else known), dtype, cls),
                     torch_dtype=dtype)
     if kind != "scalar":
@@ -149,26 +144,11 @@ def from_block(block: jax.Array, leaf: Leaf, shape: tuple[int, ...], copy: bool 
     return out
 
 
-_BF16 = np.dtype(jax.numpy.bfloat16)
-
-
 def flat_numpy(x: Any, leaf: Leaf) -> np.ndarray:
     """The leaf's values as a flat host array (a view where the input allows, e.g. CPU tensors)."""
     if leaf.kind == "torch":
-        t = x.detach().cpu().contiguous().reshape(-1)
-        if leaf.dtype == _BF16:  # numpy has no bfloat16: move the bits
-            return t.view(torch_module().int16).numpy().view(leaf.dtype)
-        return t.numpy()
+        return numpy_view(x.detach().cpu().contiguous().reshape(-1))
     return np.asarray(x, dtype=leaf.dtype).reshape(-1)
-
-
-def torch_view(host: np.ndarray) -> Any:
-    """A torch tensor sharing `host`'s memory (bfloat16 through its bits: numpy has no bfloat16
-    torch knows)."""
-    torch = torch_module()
-    if host.dtype == _BF16:
-        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(host)
 
 
 def from_flat(flat: np.ndarray, leaf: Leaf) -> Any:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import socket
 import threading
 import time
@@ -37,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpudist import _profile, _runtime, _stacks, contract
+from tpudist._buffers import HostBuffers, aligned, share
 from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.collectives._agree import GROUP, HEADER, SLOT, Check, agreed, fingerprint
 from tpudist.collectives._peers import CollectiveError, Peers
@@ -127,7 +127,7 @@ class Engine:
         """Runs `op` on this process's blocks; returns this process's result blocks.
 
         Blocks given as host arrays (small values) are copied into the signature's staging
-        buffers (`_Staging`) instead of being imported afresh.
+        buffers (`_buffers.HostBuffers`) instead of being imported afresh.
         """
         with self._lock:
             seq = self._next_seq()
@@ -160,7 +160,7 @@ class Engine:
             with self._lock:
                 seq = self._next_seq()
                 fill()
-                return self._execute(check, seq, signature, staging.inputs)
+                return self._execute(check, seq, signature, staging.arrays)
         return call, staging.hosts
 
     def barrier(self, timeout: float | None = None) -> None:
@@ -250,13 +250,23 @@ def _described(op: Op, groups: tuple[tuple[int, ...], ...], blocks: list[Any]) -
 
 class _Signature:
     """One compiled signature: its executable, the (group, slot) sharding of its inputs, and the
-    staging buffers for host values, built by the first call that brings host values."""
+    staging buffers for host values, built by the first call that brings host values. The engine's
+    lock serializes calls and each waits for its results, so XLA has read the buffers before the
+    next call writes them (`HostBuffers`' lifetime rule); they never leave the engine."""
 
     def __init__(self, executable: Any, sharding: NamedSharding, lead: tuple[int, int]) -> None:
         self.executable, self.sharding, self.lead = executable, sharding, lead
         self.header: _Header | None = None
-        self.staging: _Staging | None = None
+        self.staging: HostBuffers | None = None
         self._staging_tried = False
+
+    def importer(self, device: Any) -> Callable[[np.ndarray], jax.Array | None]:
+        """Makes a host block the global array of which it is the only shard, imported onto
+        `device` without a copy (None where it cannot be: empty values, another jaxlib)."""
+        def put(host: np.ndarray) -> jax.Array | None:
+            block = import_buffer(host, device) if host.nbytes else None
+            return None if block is None else self.global_array(block)
+        return put
 
     def global_array(self, block: jax.Array) -> jax.Array:
         """The (groups, slots, *shape) global array of which `block` is this process's only shard."""
@@ -269,7 +279,7 @@ class _Signature:
             return [self.global_array(b) for b in blocks]
         if not self._staging_tried:
             self._staging_tried = True
-            self.staging = _Staging.build(blocks, self, device)
+            self.staging = HostBuffers.build([(b.shape, b.dtype) for b in blocks], self.importer(device))
         if self.staging is not None:
             return self.staging.fill(blocks)
         inputs = []
@@ -279,69 +289,23 @@ class _Signature:
         return inputs
 
 
-class _Staging:
-    """Reused input buffers for the small values of one signature.
-
-    A synchronous collective on a freshly imported buffer takes ~0.2-0.3 ms longer than on one XLA
-    has already run on (2 processes, a 4-byte all_reduce: 0.56-0.66 ms against 0.37 ms, gloo
-    0.28 ms; docs/collectives.md). So each signature keeps 64-byte-aligned host arrays, shared with
-    XLA once without a copy, and every call copies its values in. The engine's lock serializes
-    calls and each call waits for its results, so XLA has read a buffer before the next call
-    writes it; the buffers never leave the engine.
-    """
-
-    def __init__(self, hosts: list[np.ndarray], inputs: list[jax.Array]) -> None:
-        self.hosts, self.inputs = hosts, inputs
-
-    @classmethod
-    def build(cls, like: list[np.ndarray], signature: _Signature, device: Any) -> _Staging | None:
-        """Staging for values shaped like `like`, or None where XLA would not share a buffer
-        (empty values, dtypes DLPack cannot carry such as numpy's bfloat16, another jaxlib)."""
-        hosts, inputs = [], []
-        for value in like:
-            host = _aligned(value.shape, value.dtype)
-            block = import_buffer(host, device) if host.nbytes else None
-            if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
-                return None
-            hosts.append(host)
-            inputs.append(signature.global_array(block))
-        return cls(hosts, inputs)
-
-    def fill(self, values: list[np.ndarray]) -> list[jax.Array]:
-        for host, value in zip(self.hosts, values):
-            np.copyto(host, value)
-        return self.inputs
-
-
 class _Header:
     """The header input of one signature's executable: a host array shared with XLA where it can
-    be (written in place each call, like `_Staging`), else a fresh device copy per call."""
+    be (written in place each call, like the staging buffers), else a fresh device copy per call."""
 
     def __init__(self, signature: _Signature, device: Any, host: np.ndarray, shared: jax.Array | None) -> None:
         self.signature, self.device, self.host, self.shared = signature, device, host, shared
 
     @classmethod
     def build(cls, signature: _Signature, device: Any) -> _Header:
-        host = _aligned((1, 1, HEADER), np.dtype(np.int32))
-        block = import_buffer(host, device)
-        if block is None or block.unsafe_buffer_pointer() != host.ctypes.data:
-            return cls(signature, device, host, None)
-        return cls(signature, device, host, signature.global_array(block))
+        host = aligned((1, 1, HEADER), np.int32)
+        return cls(signature, device, host, share(host, signature.importer(device)))
 
     def fill(self, rank: int, seq: int, fingerprint: tuple[int, int]) -> jax.Array:
         self.host[0, 0] = (rank, seq & 0x7FFFFFFF, *fingerprint)
         if self.shared is not None:
             return self.shared
         return self.signature.global_array(jax.device_put(self.host, self.device))
-
-
-def _aligned(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialized host array whose data starts on an `alignment`-byte boundary (XLA:CPU
-    shares aligned buffers and copies others)."""
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 _engine: Engine | None = None

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from tpudist.compile._jax_step import CompiledStep
-    from tpudist.compile._torch._module import CompiledModule
+    from tpudist.compile._torch.module._module import CompiledModule
 
 
 def compile(fn: Callable[..., Any] | torch.nn.Module, *, mesh: Any = None, in_specs: Any = None,

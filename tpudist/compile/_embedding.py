@@ -12,7 +12,6 @@ described in `tpudist/compile/_lookup.py` and docs/mesh_and_compile.md.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tpudist.compile import _lookup
+from tpudist.compile._embedding_tables import init_table, shard_tables, unshard_table
 from tpudist.compile._lookup import ALGORITHMS, Layout
 
 COMBINERS = (None, "sum", "mean")
@@ -121,7 +121,7 @@ class ShardedEmbedding:
         mesh, so a 1-device and an 8-device run start from the same table. `key` is a
         `jax.random.key` or a raw uint32 key.
         """
-        return _init_fn(self.mesh, self.axis, self.layout, self.features, self.dtype)(key)
+        return init_table(self.mesh, self.axis, self.layout, self.features, self.dtype, key)
 
     def shard(self, tables: Any) -> jax.Array:
         """The global table array from host numpy table(s) that every process holds.
@@ -130,18 +130,7 @@ class ShardedEmbedding:
         several tables. Use it to load a checkpoint or to start from known values.
         """
         tables = [np.asarray(tables)] if self.single else [np.asarray(t) for t in tables]
-        expected = [(n, self.features) for n in self.layout.sizes]
-        if [t.shape for t in tables] != expected:
-            raise ValueError(f"tables have shapes {[t.shape for t in tables]}, expected {expected}")
-        block = self.layout.block_rows
-
-        def piece(index: tuple[slice, ...]) -> np.ndarray:
-            start = index[0].start or 0
-            assert (index[0].stop or self.shape[0]) - start == block, (index, block)
-            rows = np.concatenate(_lookup.block_rows_of(tables, self.layout, start // block))
-            return rows.astype(self.dtype)[:, index[1]]
-
-        return jax.make_array_from_callback(self.shape, self.sharding, piece)
+        return shard_tables(tables, self.layout, self.features, self.sharding, self.dtype)
 
     def unshard(self, table: jax.Array) -> Any:
         """The table(s) as host numpy arrays without padding, on every process.
@@ -149,15 +138,8 @@ class ShardedEmbedding:
         This gathers the whole table to every process: for tests, debugging and exporting tables
         that fit in host memory, not for the training loop.
         """
-        from jax.experimental import multihost_utils
-        if tuple(table.shape) != self.shape:
-            raise ValueError(f"table has shape {tuple(table.shape)}, expected {self.shape}")
-        full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
-        blocks = full.reshape(self.layout.shards, self.layout.block_rows, -1)
-        out = []
-        for n, r, off in zip(self.layout.sizes, self.layout.shard_rows, self.layout.offsets):
-            out.append(blocks[:, off:off + r].reshape(-1, blocks.shape[-1])[:n])
-        return out[0] if self.single else out
+        tables = unshard_table(table, self.layout, self.shape)
+        return tables[0] if self.single else tables
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -246,8 +228,3 @@ class ShardedEmbedding:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(self.axis, None), ids_spec),
                              out_specs=out_spec, axis_names=manual)(table, ids)
 
-
-@functools.lru_cache(maxsize=64)
-def _init_fn(mesh: Any, axis: str, layout: Layout, features: int, dtype: Any) -> Any:
-    body = functools.partial(_lookup.init_block, layout=layout, features=features, axis=axis, dtype=dtype)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis, None)))

@@ -8,7 +8,8 @@
 Arguments are turned into global `jax.Array`s before the call: an array that already lives on the
 mesh's devices (params from `ShardedEmbedding.init`, the outputs of the previous step) is used as
 it is; anything else (numpy, Python numbers, arrays on one device) is this process's local part and
-is assembled with `jax.make_array_from_process_local_data` under the argument's `PartitionSpec`.
+is assembled with `jax.make_array_from_process_local_data` under the argument's `PartitionSpec`
+(_jax_args.py).
 Each distinct signature (tree structure, shapes, dtypes, shardings, static values) is lowered and
 compiled once, through JAX's persistent compilation cache; `compile_stats()` counts it.
 """
@@ -23,10 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpudist import _profile, _stacks
+import tpudist._profile as _profile
+import tpudist._stacks as _stacks
+from tpudist.compile._jax_args import globalize, is_spec
 
 log = logging.getLogger("tpudist.compile")
 
@@ -87,10 +89,6 @@ def compile_stats() -> CompileStats:
         return dataclasses.replace(_totals)
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, P)
-
-
 def _canonical_spec(spec: P) -> tuple:
     """P("a") and P("a", None) lay an array out identically; key them the same."""
     parts = list(spec)
@@ -139,50 +137,6 @@ class CompiledStep:
         return (f"CompiledStep({self.name}, mesh={dict(self.mesh.shape)}, per_device={self.per_device}, "
                 f"signatures={len(self._executables)})")
 
-    # -- arguments -------------------------------------------------------------------------------
-
-    def _spec_for(self, index: int) -> Any:
-        if self.in_specs is None or _is_spec(self.in_specs):
-            return self.in_specs
-        return self.in_specs[index]
-
-    def _globalize(self, index: int, arg: Any) -> Any:
-        spec_tree = self._spec_for(index)
-
-        def convert(path: Any, leaf: Any, spec: P | None) -> jax.Array:
-            try:
-                return self._to_global(leaf, spec)
-            except (ValueError, TypeError) as e:
-                where = f"argument {index}{jax.tree_util.keystr(path)}"
-                raise type(e)(f"rank {jax.process_index()}: {self.name}: {where} "
-                              f"(shape {np.shape(leaf)}, spec {spec}): {e}") from e
-
-        def per_subtree(spec: P | None, subtree: Any) -> Any:
-            return jax.tree_util.tree_map_with_path(lambda p, leaf: convert(p, leaf, spec), subtree)
-
-        if _is_spec(spec_tree):
-            return per_subtree(spec_tree, arg)
-        try:
-            return jax.tree_util.tree_map(per_subtree, spec_tree, arg, is_leaf=_is_spec)
-        except ValueError as e:
-            raise ValueError(f"{self.name}: in_specs[{index}] must be a PartitionSpec, None, or a tree "
-                             f"of them that is a prefix of argument {index}'s structure: {e}") from e
-
-    def _to_global(self, leaf: Any, spec: P | None) -> jax.Array:
-        if (isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
-                and leaf.sharding.device_set == self._mesh_devices):
-            if spec is None:
-                return leaf
-            target = NamedSharding(self.mesh, spec)
-            if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            return jax.device_put(leaf, target)
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            raise ValueError("this global array lives on devices outside the step's mesh; build it on "
-                             "the same mesh, or pass this process's local part as numpy")
-        data = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec or P()), data)
-
     # -- compiling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
@@ -210,7 +164,7 @@ class CompiledStep:
         return self._prepare(args)[0]
 
     def _prepare(self, args: tuple) -> tuple[Any, list[Any]]:
-        if self.in_specs is not None and not _is_spec(self.in_specs) and len(self.in_specs) != len(args):
+        if self.in_specs is not None and not is_spec(self.in_specs) and len(self.in_specs) != len(args):
             raise ValueError(f"{self.name}: in_specs has {len(self.in_specs)} entries for {len(args)} "
                              "arguments; give one per positional argument (None keeps a global "
                              "array's sharding)")
@@ -221,9 +175,9 @@ class CompiledStep:
         statics = tuple((i, args[i]) for i in sorted(static_idx))
         if _profile.active:  # the arguments' crossing to the mesh's devices
             with _profile.span(f"tpudist.step_inputs[{self.name}]"):
-                dynamic = [self._globalize(i, a) for i, a in enumerate(args) if i not in static_idx]
+                dynamic = self._globalize(args, static_idx)
         else:
-            dynamic = [self._globalize(i, a) for i, a in enumerate(args) if i not in static_idx]
+            dynamic = self._globalize(args, static_idx)
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
         try:
             key = (treedef, tuple(_leaf_key(x) for x in leaves), statics)
@@ -234,6 +188,10 @@ class CompiledStep:
         if executable is None:
             executable = self._compile(key, dynamic, statics, len(args))
         return executable, dynamic
+
+    def _globalize(self, args: tuple, static_idx: set[int]) -> list[jax.Array]:
+        return [globalize(self.name, self.mesh, self._mesh_devices, self.in_specs, i, a)
+                for i, a in enumerate(args) if i not in static_idx]
 
     def _compile(self, key: Any, dynamic: list[Any], statics: tuple, nargs: int) -> Any:
         with _profile.span(f"tpudist.compile_step[{self.name}]", signature=len(self._executables) + 1):
@@ -257,7 +215,7 @@ class CompiledStep:
         if self.per_device:
             in_specs = tuple(jax.tree_util.tree_map(lambda x: x.sharding.spec, d) for d in dynamic)
             out_specs = jax.tree_util.tree_map(lambda s: P() if s is None else s, self.out_specs,
-                                               is_leaf=_is_spec)
+                                               is_leaf=is_spec)
             body = jax.shard_map(with_statics, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
         elif self.out_specs is not None:
             body = self._constrained(with_statics)
@@ -294,10 +252,10 @@ class CompiledStep:
 
         def wrapped(*args: Any) -> Any:
             out = fn(*args)
-            if _is_spec(self.out_specs):
+            if is_spec(self.out_specs):
                 return constrain(self.out_specs, out)
             try:
-                return jax.tree_util.tree_map(constrain, self.out_specs, out, is_leaf=_is_spec)
+                return jax.tree_util.tree_map(constrain, self.out_specs, out, is_leaf=is_spec)
             except ValueError as e:
                 raise ValueError(f"{self.name}: out_specs must be a PartitionSpec or a tree of them "
                                  f"(None: XLA chooses) that is a prefix of the outputs: {e}") from e
@@ -379,7 +337,7 @@ def compile_jax(fn: Callable[..., Any], *, mesh: Any, in_specs: Any = None, out_
     if per_device and out_specs is None:
         raise ValueError("per_device=True needs out_specs: how each output's per-device blocks form "
                          "the global result (P() for values every device holds the same)")
-    if in_specs is not None and not _is_spec(in_specs) and not isinstance(in_specs, (tuple, list)):
+    if in_specs is not None and not is_spec(in_specs) and not isinstance(in_specs, (tuple, list)):
         raise TypeError(f"in_specs must be None, a PartitionSpec, or a tuple with one entry per "
                         f"argument, got {type(in_specs).__name__}")
     inner = getattr(fn, "func", fn)  # functools.partial: name the function it wraps

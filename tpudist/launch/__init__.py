@@ -33,7 +33,7 @@ _LAZY = {
     "plan_json": "tpudist.launch.plan",
     "Attempt": "tpudist.launch.attempt", "AttemptResult": "tpudist.launch.attempt",
     "Outcome": "tpudist.launch.attempt",
-    "Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch.supervisor",
+    "Supervisor": "tpudist.launch.supervisor", "LaunchError": "tpudist.launch._startup",
 }
 
 __all__ = list(_LAZY)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from tpudist import _proc
+import tpudist._proc as _proc
 from tpudist.launch._preflight import coordinator_port_refusal
 from tpudist.launch.config import LaunchConfig
 from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json

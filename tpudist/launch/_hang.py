@@ -24,7 +24,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from tpudist import _stacks
+import tpudist._stacks as _stacks
 from tpudist.launch.attempt import ProcState
 from tpudist.launch.control import control_pb2 as pb
 

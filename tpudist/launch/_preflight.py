@@ -19,7 +19,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
-from tpudist import contract
+import tpudist.contract as contract
 from tpudist.launch.agent._tpucheck import describe
 from tpudist.launch.clusters import Cluster, Host
 from tpudist.launch.config import LaunchConfig

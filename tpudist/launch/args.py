@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tpudist import contract
+import tpudist.contract as contract
 from tpudist.launch import _env
 from tpudist.launch.config import RESTART_ON
 from tpudist.launch.config import (DEFAULT_LOG_PREFIX, DEFAULT_PROFILE_STEPS, HANG_ACTIONS, PLATFORMS,

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from tpudist import contract
+import tpudist.contract as contract
 from tpudist.launch.config import JobOptions, ProcessOptions
 from tpudist.launch.clusters import Cluster, Host
 

@@ -2,7 +2,7 @@
 
 The supervisor does the launcher's I/O on its main thread: it starts the agents, runs the control
 server, and turns what arrives into calls on the current `Attempt` (the job's state machine, in
-attempt.py), then does what the attempt's phase asks:
+attempt.py; the events, in _events.py), then does what the attempt's phase asks:
 
     CONNECTING   agents start on every host in parallel (_transport.open_agents)
     REGISTERING  every agent registers (versions, its TPU preflight; worker 0 also free ports) and
@@ -28,52 +28,26 @@ always takes every agent down, so nothing of the job is left running anywhere.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import queue
 import secrets
-import signal
 import sys
 import time
 
-from tpudist import _proc
+import tpudist._proc as _proc
+from tpudist.launch._events import Event, EventHandling, signal_handlers
 from tpudist.launch._hang import HangWatch, stacks_table
 from tpudist.launch._output import LogSink
 from tpudist.launch._report import StartStatus, ending_table, restart_table
 from tpudist.launch._startup import AgentStartup
 from tpudist.launch._transport import AgentHandle, close_agents, reach_address
 from tpudist.launch._wake import WakeQueue
-from tpudist.launch.attempt import Attempt, AttemptResult, Exit, Outcome, Phase, Restarts
+from tpudist.launch.attempt import Attempt, AttemptResult, Outcome, Phase, Restarts
 from tpudist.launch.config import LaunchConfig
 from tpudist.launch.control import control_pb2 as pb
-from tpudist.launch.control._server import AgentReport, ControlEvent, Registered, SessionLost, SessionOpened
 from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, processes_per_host
 from tpudist.launch.clusters import Cluster
 
-FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # passed on to every process group of the job
 STOP_MARGIN_S = 3.0  # after the grace period: time for SIGKILL and the exit reports to arrive
-
-
-@dataclasses.dataclass(frozen=True)
-class Interrupt:
-    """SIGINT or SIGTERM reached the launcher (queued by its signal handler)."""
-
-    signum: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardSignal:
-    """SIGUSR1 or SIGUSR2 reached the launcher: pass it on to every process group of the job."""
-
-    signum: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DumpStacks:
-    """SIGQUIT reached the launcher: print every rank's Python stacks; the job runs on."""
-
-
-Event = ControlEvent | Interrupt | ForwardSignal | DumpStacks
 
 
 def process_spec(p: ProcessPlan) -> pb.ProcessSpec:
@@ -85,7 +59,7 @@ def process_spec(p: ProcessPlan) -> pb.ProcessSpec:
         conda_env=p.conda_env or "")
 
 
-class Supervisor(AgentStartup):
+class Supervisor(AgentStartup, EventHandling):
     """Runs a job on a resolved cluster: agents, control server, attempts, teardown."""
 
     def __init__(self, config: LaunchConfig, cluster: Cluster) -> None:
@@ -113,7 +87,7 @@ class Supervisor(AgentStartup):
     # -- the sequence ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        with _signal_handlers(self.interrupts, self.events):
+        with signal_handlers(self.interrupts, self.events):
             self._connect()
             self._await_agents()
             while True:
@@ -214,69 +188,6 @@ class Supervisor(AgentStartup):
         if self.sink is not None:
             self.sink.close()
 
-    # -- events ------------------------------------------------------------------------------------
-
-    def _drain(self, timeout: float) -> None:
-        """Handles every event that arrives within `timeout` (at least waits for one)."""
-        try:
-            event = self.events.get(timeout=timeout)
-        except queue.Empty:
-            return
-        while True:
-            self._handle(event)
-            try:
-                event = self.events.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, event: Event) -> None:
-        attempt = self.attempt
-        match event:
-            case Registered(worker, request):
-                self.registered[worker] = request
-            case SessionOpened(worker):
-                self.sessions.add(worker)
-            case SessionLost(worker, reason):
-                self.sessions.discard(worker)
-                agent = self.agents.get(worker)
-                if agent is not None and agent.exit_status() == -1:
-                    reason = "SSH connection lost"
-                if attempt is not None:
-                    attempt.host_lost(worker, reason)
-            case AgentReport(_, message):
-                self._on_report(message)
-            case Interrupt():
-                pass  # recorded by the signal handler; the event wakes whichever loop is waiting
-            case ForwardSignal(signum):
-                self._broadcast(pb.LauncherMessage(signal=pb.Signal(signum=signum)))
-            case DumpStacks():
-                if attempt is not None and attempt.phase is Phase.RUNNING:
-                    self._ask_stacks("asked for with SIGQUIT", hang=False)
-
-    def _on_report(self, msg: pb.AgentMessage) -> None:
-        kind = msg.WhichOneof("kind")
-        attempt = self.attempt
-        if kind == "logs":
-            if self.sink is not None:
-                self.sink.write_batch(msg.logs.lines)
-            if any(not line.chatter for line in msg.logs.lines):
-                self.hangs.progress(time.monotonic())
-        elif kind == "heartbeat":
-            self.hangs.heartbeat(msg.worker, msg.heartbeat.progress, time.monotonic())
-        elif kind == "stacks":
-            self.hangs.answer(msg.worker, msg.stacks)
-        elif kind == "started" and attempt is not None:
-            attempt.started(msg.started.attempt, msg.started.rank, msg.started.pid)
-            if attempt.all_started():
-                self.status.stop()
-        elif kind == "exited" and attempt is not None:
-            attempt.exited(msg.exited.attempt, msg.exited.rank, _exit_of(msg.exited))
-
-    def _broadcast(self, msg: pb.LauncherMessage) -> None:
-        if self.server is not None:
-            for worker in list(self.sessions):
-                self.server.send(worker, msg)
-
     # -- reporting ---------------------------------------------------------------------------------
 
     def _show_status(self) -> None:
@@ -291,32 +202,6 @@ class Supervisor(AgentStartup):
         with lock:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def _signal_handlers(interrupts: list[int], events: WakeQueue):
-    """SIGINT/SIGTERM recorded in `interrupts` (and an Interrupt event to wake the loop); SIGUSR1/2
-    queued to be passed on to the job; SIGQUIT (Ctrl-\\) asks for every rank's stacks. The previous
-    handlers come back afterwards."""
-    def on_signal(signum, frame) -> None:
-        interrupts.append(signum)
-        events.put(Interrupt(signum))
-
-    def forward(signum, frame) -> None:  # e.g. a checkpoint request for every process
-        events.put(ForwardSignal(signum))
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous.update({s: signal.signal(s, forward) for s in FORWARDED_SIGNALS})
-    previous[signal.SIGQUIT] = signal.signal(signal.SIGQUIT, lambda *_: events.put(DumpStacks()))
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _exit_of(e: pb.Exited) -> Exit:
-    return Exit(code=e.exit_code, signal=e.signal or None, run_s=e.run_s, tail=tuple(e.tail), error=e.error)
 
 
 def _ending(sup: Supervisor, result: AttemptResult):

@@ -8,43 +8,27 @@ would have produced. Same-width tensors cross through DLPack, zero-copy on CPU.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.utils.dlpack
 
-from tpudist._jaxcompat import export_buffer, import_buffer
+from tpudist._buffers import narrowed, torch_dtypes, torch_view
+from tpudist._jaxcompat import import_buffer
 
-_TORCH_TO_NUMPY = {
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(jnp.bfloat16),
-    torch.int64: np.dtype(np.int32),
-    torch.int32: np.dtype(np.int32),
-    torch.int16: np.dtype(np.int16),
-    torch.int8: np.dtype(np.int8),
-    torch.uint8: np.dtype(np.uint8),
-    torch.bool: np.dtype(np.bool_),
-    torch.complex64: np.dtype(np.complex64),
-    torch.complex128: np.dtype(np.complex64),
-}
-
-# dtypes that must be narrowed (by torch, before crossing) to the 32-bit dtype JAX computes in
-_NARROW = {torch.int64: torch.int32, torch.float64: torch.float32, torch.complex128: torch.complex64}
+# the dtypes torch narrows before crossing, to the one JAX computes in (`to_jax`'s hot path: one lookup)
+_NARROW = {t: getattr(torch, narrowed(d).name) for t, d in torch_dtypes().items() if narrowed(d) != d}
 
 
 def jax_dtype(dtype: torch.dtype) -> np.dtype:
     """The dtype JAX computes `dtype` in, e.g. `torch.int64 -> int32`."""
-    try:
-        return _TORCH_TO_NUMPY[dtype]
-    except KeyError:
+    found = torch_dtypes().get(dtype)
+    if found is None:
         raise TypeError(f"torch -> XLA: tensors of dtype {dtype} are not supported; "
-                        f"supported dtypes: {', '.join(str(d) for d in _TORCH_TO_NUMPY)}") from None
+                        f"supported dtypes: {', '.join(str(d) for d in torch_dtypes())}")
+    return narrowed(found)
 
 
 def to_jax(tensor: torch.Tensor, copy: bool = False, device: Any = None) -> jax.Array:
@@ -86,22 +70,6 @@ def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
     """
     tensor = torch_view(array)
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-SPIN_SECONDS = 50e-6  # how long a crossing polls for a result before it blocks
-
-
-def torch_view(array: jax.Array) -> torch.Tensor:
-    """A torch tensor sharing `array`'s memory (DLPack), once the array is ready."""
-    if not array.is_ready():
-        # XLA:CPU runs executables on its own threads; blocking on the result costs a thread
-        # wake-up (~20 us here, measured: a small MLP's forward+backward waited for 35 us against
-        # 15 us polled), which is most of a small model's call. Poll briefly, then block.
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while not array.is_ready() and time.perf_counter() < deadline:
-            pass
-    capsule = export_buffer(array)
-    return torch.utils.dlpack.from_dlpack(capsule) if capsule is not None else torch.from_dlpack(array)
 
 
 class ViewCache:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import to_torch, torch_view
+from tpudist._buffers import torch_view
+from tpudist.compile._torch._convert import to_torch
 
 PACK_MAX_BYTES = 64 << 10  # an array this size or smaller is packed; ~ the bytes one crossing costs to copy
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tpudist._buffers import HostBuffers, narrowed, torch_dtypes, torch_view
 from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.compile._torch._convert import _cpu_device, to_jax
 
@@ -91,46 +92,32 @@ class Staging:
     """Reused device buffers for a batch's small tensors, on a CPU mesh: each step copies its
     values in (one memcpy, any int64 narrowed on the way) instead of importing fresh buffers.
 
-    An imported buffer costs the step more than its import: the executable waits for the new
-    buffer's definition on the device's queue (tens of microseconds, the whole step for a small
-    model). `sets` sets take turns; before a set is written again, the step that read it is
-    waited for. Where the host runs ahead of the device (a small model's fused step), that wait
-    is where the host sleeps, and the device must still have steps queued when it wakes. The
-    32-256-4 MLP's step (pooled state) fell into a slow lockstep (77-121 us a step against ~55)
-    in 3 of 6 runs with 2 sets and in 2 of 7 with 8; the fused step keeps 8. The hand-written
-    JAX step swings as much on this machine (docs/torch.md, "Against the engine's own floor").
-
-    When a set is still being read, the host waits for a later step instead: the one `QUEUED`
-    steps before the step being staged. The sets read up to it free up together, so the host
-    sleeps once every `sets - QUEUED + 1` steps instead of at every step, and the device still has
-    the newest step queued while the host wakes. A thread back from a sleep works on cold caches:
-    on the transformer block (5 ms steps) the calling thread's CPU per staged step fell from
-    417-520 us to 183-209 us, the same as given the batch on the devices or as the hand-written
-    JAX step. With 2 sets this is the plain wait for the set's own reader."""
+    An imported buffer costs more than its import: the executable waits for the new buffer's
+    definition on the device's queue (tens of microseconds, the whole step of a small model).
+    `sets` sets (`HostBuffers`) take turns, and before one is written again the host waits for the
+    step `QUEUED` steps back rather than the set's own reader, so it sleeps once every
+    `sets - QUEUED + 1` steps while the device keeps the newest step queued (the transformer block's
+    CPU per staged step: ~500 us -> ~200 us; history in docs/bench/HISTORY.md)."""
 
     QUEUED = 2
 
     def __init__(self, placement: Placement, examples: list[torch.Tensor], sets: int = 2):
         self.placement = placement
-        self.sets: list[tuple[list[torch.Tensor], list[jax.Array]]] = []
+        like = [(tuple(t.shape), jax.dtypes.canonicalize_dtype(_np_dtype(t.dtype))) for t in examples]
+        self.sets: list[HostBuffers] = []
         for _ in range(sets):
-            hosts, arrays = [], []
-            for t in examples:
-                dtype = jax.dtypes.canonicalize_dtype(_np_dtype(t.dtype))
-                host = _aligned_zeros(tuple(t.shape), dtype)
-                array = placement.put(host, split=True)
-                if not _aliases(array, host, placement):
-                    raise RuntimeError("staging buffer was copied, not shared, by the import")
-                arrays.append(array)                  # XLA's buffers are the host array's memory
-                hosts.append(torch.from_numpy(host))  # written through torch: one copy_ each
-            self.sets.append((hosts, arrays))
-        self._users: list[Any] = [None] * sets
+            buffers = HostBuffers.build(like, lambda host: placement.put(host, split=True))
+            if buffers is None:
+                raise RuntimeError("staging buffer was copied, not shared, by the import")
+            self.sets.append(buffers)
+        # written through torch: one copy_ each
+        self._tensors = [[torch_view(host) for host in buffers.hosts] for buffers in self.sets]
         self._next = 0
 
     @staticmethod
     def fits(placement: Placement, t: Any) -> bool:
-        # not 0-d (a 0-d NumPy host array imports as shape (1,)) nor bfloat16 (no torch view of
-        # NumPy's): those cross by import
+        # not 0-d (a 0-d NumPy host array imports as shape (1,)) nor bfloat16 (NumPy's does not
+        # cross DLPack): those cross by import
         return (placement.cpu and isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
                 and t.numel() * t.element_size() <= STAGE_MAX_BYTES and t.dtype != torch.bfloat16
                 and _np_dtype(t.dtype) is not None)
@@ -139,22 +126,17 @@ class Staging:
         """The staged global arrays holding `tensors` now, and the set's index (for `used`)."""
         index, count = self._next, len(self.sets)
         self._next = (index + 1) % count
-        user = self._users[index]
-        if user is not None:
-            if not user.is_ready():
-                later = self._users[(index - self.QUEUED) % count]
-                if later is not None:
-                    jax.block_until_ready(later)
-                jax.block_until_ready(user)  # ready by now where steps run in order
-            self._users[index] = None
-        hosts, arrays = self.sets[index]
-        for host, t in zip(hosts, tensors):
+        buffers = self.sets[index]
+        if buffers.busy():
+            self.sets[(index - self.QUEUED) % count].wait()
+            buffers.wait()  # ready by now where steps run in order
+        for host, t in zip(self._tensors[index], tensors):
             host.copy_(t.detach() if t.requires_grad else t)  # int64 narrowed to int32 on the way
-        return arrays, index
+        return buffers.arrays, index
 
     def used(self, index: int, result: Any) -> None:
         """`result` is an output of the step that reads set `index`: wait for it before reuse."""
-        self._users[index] = result
+        self.sets[index].used(result)
 
 
 class InputStaging:
@@ -174,8 +156,6 @@ class InputStaging:
         self.slots, self._staging, self._signature = slots, staging, signature
         self._lock = threading.Lock()
         self._index = -1
-        self._ranges = [(h.data_ptr(), h.data_ptr() + h.numel() * h.element_size())
-                        for hosts, _ in staging.sets for h in hosts]
         self.checked, self._aliased = False, False
 
     @classmethod
@@ -217,7 +197,7 @@ class InputStaging:
         buffer (this JAX copies, but a JAX that forwarded inputs to outputs would not)."""
         self.checked = True
         self._aliased = any(isinstance(o, jax.Array) and not o.is_deleted() and any(
-            begin <= o.unsafe_buffer_pointer() < end for begin, end in self._ranges) for o in outputs)
+            buffers.holds(o) for buffers in self._staging.sets) for o in outputs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -227,25 +207,10 @@ def _one_device_placement() -> Placement:
     return Placement(Mesh(np.array([_cpu_device()]), (AXIS,)))
 
 
-def _aligned_zeros(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
-    """Zeros whose memory starts on an `align`-byte boundary: XLA shares (imports) only aligned
-    host memory, and copies the rest."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    raw = np.zeros(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def _aliases(array: jax.Array, host: np.ndarray, placement: Placement) -> bool:
-    """Whether every local block of `array` lies in `host`'s memory (the import shared it)."""
-    begin, end = host.ctypes.data, host.ctypes.data + host.nbytes
-    blocks = placement.local_blocks(array, split=True)
-    return all(begin <= b.unsafe_buffer_pointer() < end or b.size == 0 for b in blocks)
-
-
 def _np_dtype(dtype: torch.dtype) -> Any:
-    from tpudist.compile._torch._convert import _TORCH_TO_NUMPY
-    return _TORCH_TO_NUMPY.get(dtype)
+    """The dtype JAX computes torch's `dtype` in, or None where none crosses."""
+    found = torch_dtypes().get(dtype)
+    return None if found is None else narrowed(found)
 
 
 def _on_device(piece: Any, device: Any, copy: bool = False) -> jax.Array:

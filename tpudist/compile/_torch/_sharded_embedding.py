@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import tpudist
+from tpudist._runtime import local_devices, process_count, process_index
 from tpudist.collectives import all_gather, reduce_scatter
-
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR, sharded_embedding_lookup
+from tpudist.compile._torch._sync import sync_module
 
 __all__ = ["ShardedEmbedding", "rows_per_process"]
 
@@ -40,8 +40,8 @@ def _exporting() -> bool:
 def rows_per_process(num_embeddings: int) -> int:
     """Rows each process holds: an equal share, rounded up to a multiple of its local device count
     so that the fused train step can split the block evenly over those devices."""
-    local = len(tpudist.local_devices())
-    share = -(-num_embeddings // tpudist.process_count())
+    local = len(local_devices())
+    share = -(-num_embeddings // process_count())
     return -(-share // local) * local
 
 
@@ -87,8 +87,8 @@ class ShardedEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.mode = mode
-        self.process_count = tpudist.process_count()
-        self.rank = tpudist.process_index()
+        self.process_count = process_count()
+        self.rank = process_index()
         self.rows_per_process = rows_per_process(num_embeddings)
         self.row_offset = self.rank * self.rows_per_process
         if _weight is None:
@@ -120,7 +120,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"from_dense needs a 2-D (num_embeddings, embedding_dim) tensor, got "
                              f"{getattr(weight, 'shape', type(weight).__name__)}")
         n, dim = weight.shape
-        rank = tpudist.process_index()
+        rank = process_index()
         rows = rows_per_process(n)
         block = torch.zeros(rows, dim, dtype=weight.dtype)
         real = weight.detach()[rank * rows:(rank + 1) * rows]
@@ -131,7 +131,6 @@ class ShardedEmbedding(nn.Module):
         """The whole (num_embeddings, embedding_dim) table, gathered from every process (a
         collective: for tests and checkpoints, not the training loop). Current with any fused step
         training it (a door, like `state_dict()`)."""
-        from tpudist.compile._torch._state import sync_module
         sync_module(self)
         return all_gather(self.weight.detach(), dim=0)[:self.num_embeddings].clone()
 

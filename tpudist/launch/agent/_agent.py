@@ -23,7 +23,7 @@ import time
 
 import grpc
 
-from tpudist import _proc
+import tpudist._proc as _proc
 from tpudist.launch._wake import WakeQueue
 from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
 from tpudist.launch.control import control_pb2 as pb

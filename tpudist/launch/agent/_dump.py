@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 
-from tpudist import _stacks
+import tpudist._stacks as _stacks
 from tpudist.launch.control import control_pb2 as pb
 
 _STEADY_S = 0.1  # a dump that has not grown for this long is complete

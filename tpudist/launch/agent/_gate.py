@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tpudist import _coordinator, contract
+import tpudist._coordinator as _coordinator
+import tpudist.contract as contract
 
 MAGIC = b"tpudist coordinator gate 1\n"  # what a gate says first, with its challenge
 NONCE_BYTES = 16

@@ -7,10 +7,10 @@ group and every other descendant, SIGTERM, a grace period, SIGKILL. When one pro
 left behind, its group and the orphans that carry its RANK, is stopped the same way.
 
 Every stdout/stderr line becomes a `LogLine` event; the runtime's chatter in them (gloo's connect
-messages, absl INFO) is split out of the program's lines and marked (`_chatter.py`). An `Exited` event follows the process's last
-line, carrying its Python traceback (or last stderr lines) for the launcher's failure table; it
-waits for what the process itself wrote to be read, never for a descendant that still holds the
-pipes (`_Output`).
+messages, absl INFO) is split out of the program's lines and marked (`_chatter.py`), each pipe
+read by a `_pipes.Output`. An `Exited` event follows the process's last line, carrying its Python
+traceback (or last stderr lines) for the launcher's failure table; it waits for what the process
+itself wrote to be read, never for a descendant that still holds the pipes.
 
     procs = ProcessSet(worker=0, emit=outbound.put)
     procs.start(start_message)
@@ -22,22 +22,19 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 
-from tpudist import _proc
+import tpudist._proc as _proc
 from tpudist.launch.agent import _dump
-from tpudist.launch.agent._chatter import Chatter
+from tpudist.launch.agent._pipes import Output
 from tpudist.launch.control import control_pb2 as pb
 
-MAX_LINE = 1 << 20  # a line longer than this is passed on in pieces, to bound the agent's memory
 DRAIN_LIMIT_S = 1.0  # after an exit, at most this long to read what the process wrote (a flood)
 _TAIL_LINES = 64
-_READ_BYTES = 1 << 16
 _CONDA_PLACES = ("~/miniconda3/bin/conda", "~/anaconda3/bin/conda", "~/miniforge3/bin/conda",
                  "~/mambaforge/bin/conda", "/opt/conda/bin/conda")
 # Runs argv inside a conda environment: $0 is conda, $1 the environment, the rest the command. The
@@ -76,86 +73,6 @@ def last_traceback(lines: list[bytes], limit: int = 30) -> list[bytes]:
             end = next((j for j in range(start, len(report)) if not report[j].strip()), len(report))
             return (report[:1] + report[start:end] + report[1:start] + report[end:])[:limit]
     return lines[-10:]
-
-
-class _Output:
-    """One of a process's pipes: whole lines out as `LogLine`s, and `drained` once the process has
-    exited and everything it wrote has been read.
-
-    The pipe's write end may outlive the process (a child holds it): then EOF comes only when that
-    child ends, so after the exit the reader looks once more for data already in the pipe and
-    reports `drained` as soon as there is none, while it goes on passing on the child's lines."""
-
-    def __init__(self, fd: int, rank: int, stream: int, emit: Callable, exit_fd: int,
-                 tail: collections.deque | None) -> None:
-        self.fd, self.rank, self.stream, self.emit = fd, rank, stream, emit
-        self.exit_fd = exit_fd  # readable once the process has exited
-        self.tail = tail  # stderr keeps its last lines for the exit report
-        self.drained = threading.Event()
-        self._pending = bytearray()
-        self._chatter = Chatter()
-
-    def run(self) -> None:
-        exited = False
-        try:
-            while True:
-                if not exited:
-                    ready = select.select([self.fd, self.exit_fd], [], [])[0]
-                    exited = self.exit_fd in ready
-                    if exited and self.fd not in ready and not select.select([self.fd], [], [], 0)[0]:
-                        self._drain()
-                        continue
-                elif not self.drained.is_set() and not select.select([self.fd], [], [], 0)[0]:
-                    self._drain()
-                    continue
-                data = os.read(self.fd, _READ_BYTES)
-                if not data:
-                    break
-                self._lines(data)
-        except OSError:
-            pass
-        finally:
-            self._flush()
-            self._end_held()
-            self.drained.set()
-            os.close(self.fd)
-
-    def _drain(self) -> None:
-        self._flush()  # the process's last line, even without its newline
-        self._end_held()
-        self.drained.set()
-
-    def _end_held(self) -> None:
-        for chatter, text in self._chatter.flush():
-            self._emit(text, chatter)
-
-    def _lines(self, data: bytes) -> None:
-        pieces = data.split(b"\n")
-        self._pending += pieces[0]
-        for piece in pieces[1:]:  # each one follows a newline: the pending line is whole
-            self._flush(whole=True)
-            self._pending += piece
-        while len(self._pending) > MAX_LINE:  # a line without end yet: pass it on in pieces
-            self._line(bytes(self._pending[:MAX_LINE]))
-            del self._pending[:MAX_LINE]
-
-    def _flush(self, whole: bool = False) -> None:
-        """Passes the pending line on (in MAX_LINE pieces); an empty one only if it was a line."""
-        while len(self._pending) > MAX_LINE:
-            self._line(bytes(self._pending[:MAX_LINE]))
-            del self._pending[:MAX_LINE]
-        if self._pending or whole:
-            self._line(bytes(self._pending))
-        self._pending = bytearray()
-
-    def _line(self, line: bytes) -> None:
-        for chatter, text in self._chatter.feed(line):
-            self._emit(text, chatter)
-
-    def _emit(self, text: bytes, chatter: bool) -> None:
-        if self.tail is not None and not chatter:
-            self.tail.append(text)
-        self.emit(pb.LogLine(rank=self.rank, stream=self.stream, data=text, chatter=chatter))
 
 
 class _Process:
@@ -209,7 +126,7 @@ class _Process:
         exit_r, exit_w = os.pipe()
         outputs = []
         for pipe, stream, tail in ((self.popen.stdout, pb.STDOUT, None), (self.popen.stderr, pb.STDERR, self.tail)):
-            outputs.append(_Output(os.dup(pipe.fileno()), self.spec.rank, stream, self.emit, exit_r, tail))
+            outputs.append(Output(os.dup(pipe.fileno()), self.spec.rank, stream, self.emit, exit_r, tail))
             pipe.close()
         for output in outputs:
             threading.Thread(target=output.run, daemon=True).start()
@@ -220,7 +137,7 @@ class _Process:
             rank=self.spec.rank, exit_code=code, attempt=self.attempt, error=error)))
         self.exited.set()
 
-    def _wait(self, outputs: list[_Output], exit_r: int, exit_w: int) -> None:
+    def _wait(self, outputs: list[Output], exit_r: int, exit_w: int) -> None:
         code = self.popen.wait()
         run_s = time.monotonic() - self.t0
         os.write(exit_w, b"x")  # wakes the readers: read what is left, then say so
@@ -254,7 +171,7 @@ class _Process:
         if self.popen is None:
             return []
         found = [pid for pid, (_, pgid, state) in table.items() if pgid == self.popen.pid and state != "Z"]
-        from tpudist import contract  # here: its dataclasses import would cost every agent's start-up
+        import tpudist.contract as contract  # here: its dataclasses import would cost every agent's start-up
 
         me = os.getpid()
         want = {contract.RANK.encode(): str(self.spec.rank).encode(),
@@ -275,7 +192,7 @@ def _carries(pid: int, want: dict[bytes, bytes]) -> bool:
     return all(env.get(k) == v for k, v in want.items())
 
 
-def _close_after(outputs: list[_Output], exit_r: int, exit_w: int) -> None:
+def _close_after(outputs: list[Output], exit_r: int, exit_w: int) -> None:
     """Closes the exit pipe once no reader looks at it again (a drained one never does)."""
     os.close(exit_w)
     for output in outputs:

@@ -29,7 +29,7 @@ import subprocess
 from collections.abc import Sequence
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 from tpudist.launch.clusters.tpu_metadata import TPU_LOCAL, tpu_name
 from tpudist.launch.tpu.env import cluster_slice
 

@@ -15,7 +15,7 @@ by slice (file order within a slice), so ranks are slice-major. A bad line is a 
 from __future__ import annotations
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 from tpudist.launch.clusters.hosts import check_unique, parse_host
 
 

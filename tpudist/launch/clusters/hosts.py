@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 
 _HOST_RE = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<name>[^@:\s\[\]]+))"
                       r"(?::(?P<port>\d+))?$")

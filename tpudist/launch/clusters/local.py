@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 
 
 class LocalSource(ClusterSource):

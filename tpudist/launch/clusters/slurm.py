@@ -28,7 +28,7 @@ import socket
 from collections.abc import Mapping
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_NODELIST = "SLURM_NODELIST"  # the pre-2.x name, still set

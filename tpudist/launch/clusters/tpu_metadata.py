@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 
 from tpudist.launch.config import ClusterOptions
-from tpudist.launch.clusters import Cluster, ClusterSource, Host, Verdict
+from tpudist.launch.clusters._base import Cluster, ClusterSource, Host, Verdict
 from tpudist.launch.tpu.env import cluster_slice
 
 METADATA_HOST_ENV = "GCE_METADATA_HOST"  # google-auth's override: host[:port] of the server

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpudist import contract
+import tpudist.contract as contract
 from tpudist.contract import TPU_PROCESS_ADDRESSES, TPU_WORKER_HOSTNAMES, TPU_WORKER_ID
 from tpudist.launch.clusters import Cluster, Host
 from tpudist.launch.tpu.topology import SliceTopology, bounds_str, from_bounds, slice_topology

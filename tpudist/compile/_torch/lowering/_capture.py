@@ -1,0 +1,266 @@
+"""Capture: a torch.nn.Module and example inputs -> a core-ATen graph plus how to feed it.
+
+`torch.export` (non-strict) traces the module's forward for one input signature into an ATen
+graph whose inputs are the module's parameters, buffers, lifted constants and the user's inputs,
+and whose outputs are the buffer updates (BatchNorm running statistics) and the user's outputs.
+Decomposing it to core ATen leaves ~200 op overloads to lower, all listed in one registry.
+`scaled_dot_product_attention` is kept whole (as `tpudist::attention`), one lowering: one attention
+op for XLA instead of torch's decomposition into matmuls and a softmax.
+
+The forward is traced through `FlatOutputs`, so outputs may hold objects torch.export does not
+know (a Hugging Face model's key/value cache): their tensors are graph outputs and the rest is
+kept as a template (`_outputs`). An active `torch.autocast` is part of the capture: the forward is
+traced inside the same autocast, so the graph holds its casts, as eager torch would run them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp
+from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
+from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
+from tpudist.compile._torch.lowering._outputs import FlatOutputs
+from tpudist.compile._torch.lowering._registry import (
+    IGNORED_OPS,
+    UnsupportedOpError,
+    lookup,
+    torch_decompositions,
+    unsupported_message,
+)
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+# one cheap check before the per-device ones (read before every step); torch's own, where it has it
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled",
+                        lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES))
+
+
+@functools.lru_cache(maxsize=1)
+def _decompositions() -> Any:
+    # building the table costs ~0.4 s per export when left to run_decompositions()
+    table = torch.export.default_decompositions()
+    extra, kept = torch_decompositions()
+    table.update(extra)
+    for op in kept:
+        table.pop(op, None)
+    return table
+
+
+def autocast_state() -> tuple:
+    """The autocast settings in force, per device type: part of a capture's signature."""
+    if not _any_autocast():
+        return ()
+    return tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+def _autocast(state: tuple) -> Any:
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device_type=device, dtype=dtype))
+    return stack
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
+            torch_autograd: bool = True) -> Captured:
+    """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
+
+    `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
+    graph, so gradient hooks on parameters, which only it calls, are an error.
+
+    Raises CaptureError when torch.export cannot trace the forward or decompose it, and
+    UnsupportedOpError (naming the op and its module path) when the graph holds an op the registry
+    cannot lower. `where` names the caller in messages (e.g. "tpudist.fit").
+    """
+    start = time.perf_counter()
+    autocast = autocast_state()
+    flat = FlatOutputs(module, context=lambda: _autocast(autocast))
+    _check_layouts(module, args, kwargs, where)
+    try:
+        _custom_grad.check_backward_hooks(module)
+        if not torch_autograd:  # (the fused step captures its objective, which holds the user's model)
+            _custom_grad.check_parameter_hooks(getattr(module, "model", module))
+    except _custom_grad.CustomGradError as exc:
+        raise _custom_grad_error(exc, where) from None
+    with torch.enable_grad(), warnings.catch_warnings(), _custom_grad.intercepted():
+        # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        try:
+            # the forward enters the autocast itself: one around torch.export is not traced
+            with torch.fx.traceback.preserve_node_meta():  # keeps checkpoint regions' marks (see _custom_grad)
+                program = torch.export.export(flat, args, kwargs, strict=False)
+        except _custom_grad.CustomGradError as exc:
+            raise _custom_grad_error(exc, where) from None
+        except CaptureError:
+            raise  # a custom Function's own capture, already explained
+        except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
+            raise CaptureError(
+                f"torch -> XLA: torch.export could not trace {type(module).__name__}.forward for inputs "
+                f"{_describe(args, kwargs)}: {type(exc).__name__}: {_first_line(exc)}. Data-dependent Python "
+                "control flow and shapes are the usual cause; move that part outside the compiled module"
+                f"{where}.") from exc
+        _keep_stop_gradients(program.graph_module)
+        _keep_attention(program.graph_module)
+        try:
+            program = program.run_decompositions(_decompositions())
+        except Exception as exc:  # a decomposition of torch's own failed on this graph
+            op, path = _failing_decomposition(program)
+            raise CaptureError(
+                f"torch -> XLA: torch's decomposition of {op} (in {path}) to core ATen failed: "
+                f"{type(exc).__name__}: {_first_line(exc)}. Write that part with other torch ops, or keep it "
+                f"outside the compiled module{where}.") from exc
+    program = _without_effect_tokens(program)
+    graph = program.graph_module.graph
+    _check_ops(graph)
+    _prepare_functions(graph, where)
+    template = flat.template()
+    assert template is not None, "the traced forward did not run"
+    captured = plumbing(program, template)
+    captured.seconds = time.perf_counter() - start
+    return captured
+
+
+def _check_layouts(module: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> None:
+    """Sparse and other non-strided tensors are refused before torch.export sees them (its fake
+    tensors abort the process on some sparse layouts)."""
+    named = [(f"input {i}", t) for i, t in enumerate(torch.utils._pytree.tree_leaves((args, kwargs)))]
+    named += [(f"'{n}'", t) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise CaptureError(f"torch -> XLA: {name} is a tensor of layout {value.layout}; XLA computes on dense "
+                               f"arrays. Pass it as .to_dense(){where}.")
+
+
+def _without_effect_tokens(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """torch.linalg's checked functions (inv, solve, cholesky, lu_factor) thread an effect token
+    through `aten._linalg_check_errors` (a `with_effects` node); unthreaded it is a plain op, lowered
+    as a no-op (a running XLA program cannot raise: a singular matrix gives inf/NaN, see docs)."""
+    if not any(n.target is torch.ops.higher_order.with_effects for n in program.graph.nodes):
+        return program
+    from torch.export._remove_effect_tokens_pass import _remove_effect_tokens  # torch's own pass (private)
+    return _remove_effect_tokens(program)
+
+
+def _custom_grad_error(exc: Exception, where: str) -> CaptureError:
+    text = str(exc)
+    # a message about a custom Function already names it; `where` would name it again
+    return CaptureError(f"torch -> XLA: {text}{'' if text.startswith('custom autograd.Function') else where}.")
+
+
+def _prepare_functions(graph: torch.fx.Graph, where: str) -> None:
+    from tpudist.compile._torch.lowering._lower import lower  # (late: _lower imports this module)
+    try:
+        _custom_vjp.prepare(graph, capture, lower)
+    except _custom_grad.CustomGradError as exc:
+        raise _custom_grad_error(exc, where) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _failing_decomposition(program: torch.export.ExportedProgram) -> tuple[str, str]:
+    """The op whose decomposition fails, found by decomposing one op kind at a time (error path only)."""
+    table = _decompositions()
+    seen: dict[Any, torch.fx.Node] = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in table:
+            seen.setdefault(node.target, node)
+    for op, node in seen.items():
+        try:
+            program.run_decompositions({op: table[op]})
+        except Exception:
+            return str(op), module_path(node)
+    return "an op", "the forward"
+
+
+def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:
+    """Rewrites `detach` and `torch.no_grad()` regions to tpudist::stop_gradient (see _custom_ops)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.detach.default:
+            node.target = STOP_GRADIENT
+        elif node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and node.args[0] is False:
+            for user in list(node.users):
+                with graph.inserting_after(user):
+                    stopped = graph.call_function(STOP_GRADIENT, (user,))
+                stopped.meta = dict(user.meta)
+                user.replace_all_uses_with(stopped, delete_user_cb=lambda n: n is not stopped)
+    gm.recompile()
+
+
+def _keep_attention(gm: torch.fx.GraphModule) -> None:
+    """Rewrites `scaled_dot_product_attention` to tpudist::attention, which decomposition keeps."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            schema = node.target._schema.arguments
+            values = {a.name: a.default_value if a.has_default_value() else None for a in schema}
+            values.update(zip((a.name for a in schema), node.args))
+            values.update(node.kwargs)
+            node.target = ATTENTION
+            node.args = (values["query"], values["key"], values["value"], values["attn_mask"],
+                         float(values["dropout_p"] or 0.0), bool(values["is_causal"]), values["scale"],
+                         bool(values["enable_gqa"]))
+            node.kwargs = {}
+    gm.recompile()
+
+
+# static-shape rewrites for ops whose output shape depends on values
+_STATIC_REWRITES = {
+    "nonzero": "torch.nonzero_static(x, size=K) (padded to a fixed K), or keep the mask and use torch.where",
+    "argwhere": "torch.nonzero_static(x, size=K) (padded to a fixed K), or keep the mask and use torch.where",
+    "masked_select": "torch.where(mask, x, 0) (or x * mask), which keeps x's shape",
+    "index": "torch.where(mask, x, 0) instead of x[mask], which keeps x's shape",
+    "unique": "a fixed-size result: F.one_hot(x, K).sum(0) (counts over a known range K), or x.sort() and a "
+              "mask of first occurrences",
+    "bincount": "F.one_hot(ids, n).sum(0) or torch.zeros(n).index_add_(0, ids, weights) for a known length n",
+    "repeat_interleave": "repeats as a Python int or list, or output_size=",
+}
+
+
+def _check_ops(graph: torch.fx.Graph) -> None:
+    missing: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem or node.target in IGNORED_OPS:
+            continue
+        if _has_symbolic_shape(node.meta.get("val")):
+            # the first node whose shape depends on values is where the data-dependence starts
+            raise CaptureError(_data_dependent_message(node))
+        if lookup(node.target) is None:
+            missing.setdefault(str(node.target), []).append(module_path(node))
+    if missing:
+        (op, wheres), *rest = missing.items()
+        message = unsupported_message(op, wheres[0])
+        if rest:
+            message += f" Also unsupported in this module: {', '.join(name for name, _ in rest)}."
+        raise UnsupportedOpError(message)
+
+
+def _data_dependent_message(node: torch.fx.Node) -> str:
+    name = str(node.target).split(".")[1]
+    hint = next((text for key, text in _STATIC_REWRITES.items() if name.lstrip("_").startswith(key)),
+                "a static-shape form of that computation (torch.where, a mask)")
+    return (f"torch -> XLA: {node.target} in {module_path(node)} produces a data-dependent shape; XLA compiles "
+            f"for static shapes. Use {hint}, or keep that part outside the compiled module.")
+
+
+def _has_symbolic_shape(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_symbolic_shape(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return "(" + ", ".join(f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                           for t in leaves) + ")"

@@ -1,0 +1,299 @@
+"""Lowering: a captured core-ATen graph -> one JAX function, by walking it through the registry.
+
+The function takes the graph's tensor inputs (as JAX arrays, in placeholder order, literals left
+out) and a JAX PRNG key (None when the graph draws no random numbers), and returns the graph's
+outputs. Traced under `jax.jit`, every op becomes XLA HLO; nothing of torch remains at run time.
+A lowering that fails while tracing is an UnsupportedOpError naming the op and its module path.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from tpudist.compile._torch.lowering._captured import Captured, module_path
+from tpudist.compile._torch._convert import jax_dtype
+from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
+from tpudist.compile._torch.lowering.ops import linalg
+
+# keyword arguments that describe torch placement or layout, meaningless to XLA
+_PLACEMENT_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format", "non_blocking"})
+
+
+def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
+    """The JAX function computing `captured`'s graph: `run(tensor_inputs, key) -> outputs`; `key` is a
+    JAX PRNG key when `captured.has_random`, else ignored."""
+    nodes = list(captured.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
+    tensor_placeholders = [n for n in placeholders if n not in literals]
+    pieces = _sibling_pieces(nodes)
+    positions = {node: i for i, node in enumerate(nodes)}
+    steps = _steps([n for n in nodes if n.op == "call_function"], positions)
+
+    def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
+        assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
+        env: dict[torch.fx.Node, Any] = dict(literals)
+        env.update(zip(tensor_placeholders, tensors))
+        for step in steps:
+            if isinstance(step, _Region):
+                env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
+                    *[env[n] for n in step.inputs])))
+            else:
+                _evaluate(step, env, {}, pieces, key, positions)
+        output = next(n for n in nodes if n.op == "output")
+        return tuple(_read(value, env) for value in output.args[0])
+
+    return run
+
+
+def _evaluate(node: torch.fx.Node, env: dict, splits: dict, pieces: dict, key: Any, positions: dict) -> None:
+    if node in pieces:
+        env[node] = _conform(_piece(pieces[node], env, splits), node)
+    elif node.target is operator.getitem:
+        env[node] = _conform(env[node.args[0]][node.args[1]], node)
+    elif node.target not in IGNORED_OPS:
+        env[node] = _apply(node, env, key, positions[node])
+
+
+@dataclass
+class _Region:
+    """The nodes of one `torch.utils.checkpoint` call (marked by capture), computed as one
+    `jax.checkpoint`: the backward recomputes them from the region's inputs instead of keeping
+    their intermediates, as torch's checkpoint does."""
+
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]
+
+    def evaluate(self, pieces: dict, key: Any, positions: dict) -> Callable[..., tuple]:
+        def region(*values: Any) -> tuple:
+            env = dict(zip(self.inputs, values))
+            splits: dict = {}
+            for node in self.nodes:
+                _evaluate(node, env, splits, pieces, key, positions)
+            return tuple(env[n] for n in self.outputs)
+        return region
+
+
+def _steps(nodes: list[torch.fx.Node], positions: dict) -> list[Any]:
+    """The graph's nodes in order, with each checkpointed region's nodes gathered into one _Region
+    where they can run as a unit (every input of the region computed before its first node)."""
+    from tpudist.compile._torch.lowering._custom_grad import REMAT
+    regions: dict[int, list[torch.fx.Node]] = {}
+    for node in nodes:
+        mark = (node.meta.get("custom") or {}).get(REMAT)
+        if mark is not None:
+            regions.setdefault(mark, []).append(node)
+    steps: list[Any] = []
+    done: set[int] = set()
+    for node in nodes:
+        mark = (node.meta.get("custom") or {}).get(REMAT)
+        if mark is None:
+            steps.append(node)
+        elif mark not in done:
+            done.add(mark)
+            steps.extend(_region(regions[mark], positions))
+    return steps
+
+
+def _region(members: list[torch.fx.Node], positions: dict) -> list[Any]:
+    inside = set(members)
+    inputs: list[torch.fx.Node] = []
+    for node in members:
+        for value in node.all_input_nodes:
+            if value not in inside and value not in inputs:
+                inputs.append(value)
+    first = positions[members[0]]
+    if any(positions[v] > first for v in inputs) or any(positions[n] - first != i for i, n in enumerate(members)):
+        return list(members)  # interleaved with the rest of the graph: computed node by node
+    outputs = [n for n in members if any(user not in inside for user in n.users)]
+    return [_Region(members, inputs, outputs)]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One of several disjoint slices of the same tensor along one dimension (see _sibling_pieces)."""
+
+    source: torch.fx.Node
+    dim: int
+    sizes: tuple[int, ...]  # the pieces the dimension is cut into
+    index: int              # which piece this node is
+    squeeze: bool           # a `select` (the dimension dropped) rather than a `slice`
+
+
+def _sibling_pieces(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, _Piece]:
+    """`select` / `slice` nodes that cut one tensor into disjoint parts along one dimension, as
+    MultiheadAttention's `proj[0], proj[1], proj[2]` or `x[..., :n], x[..., n:]` do.
+
+    Lowered one by one, each part's gradient is the whole tensor padded with zeros, and the
+    backward adds the padded copies up (three full-size writes and reads for q, k, v). Cut by one
+    `lax.split`, the gradient is one concatenation of the parts' gradients, which XLA fuses into
+    its consumer, as it does for `jnp.split` in hand-written JAX. Ranges that overlap are left to
+    their own lowering."""
+    aten = torch.ops.aten
+    groups: dict[tuple[torch.fx.Node, int], list[tuple[torch.fx.Node, int, int, bool]]] = {}
+    for node in nodes:
+        if node.op != "call_function" or node.target not in (aten.select.int, aten.slice.Tensor) or node.kwargs:
+            continue
+        source = node.args[0]
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            continue
+        args = list(node.args[1:]) + [None] * 4
+        d = args[0] if args[0] is not None else 0
+        if not isinstance(d, int):
+            continue
+        d %= value.ndim
+        size = value.shape[d]
+        if not isinstance(size, int):
+            continue
+        if node.target is aten.select.int:
+            if not isinstance(args[1], int) or not -size <= args[1] < size:
+                continue
+            lo = args[1] % size
+            hi, squeeze = lo + 1, True
+        else:
+            start, end, step = args[1], args[2], args[3] if args[3] is not None else 1
+            if step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
+                continue
+            lo, hi, _ = slice(start, end).indices(size)
+            if hi <= lo or (lo, hi) == (0, size):
+                continue
+            squeeze = False
+        groups.setdefault((source, d), []).append((node, lo, hi, squeeze))
+    pieces: dict[torch.fx.Node, _Piece] = {}
+    for (source, d), members in groups.items():
+        ranges = sorted({(lo, hi) for _, lo, hi, _ in members})
+        if len(ranges) < 2 or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+            continue  # one part (nothing to share) or overlapping parts
+        size = source.meta["val"].shape[d]
+        cuts = sorted({0, size, *(lo for lo, _ in ranges), *(hi for _, hi in ranges)})
+        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+        for node, lo, _, squeeze in members:
+            pieces[node] = _Piece(source, d, sizes, cuts.index(lo), squeeze)
+    return pieces
+
+
+def _piece(piece: _Piece, env: dict, splits: dict) -> Any:
+    parts = splits.get((piece.source, piece.dim))
+    if parts is None:
+        parts = splits[(piece.source, piece.dim)] = lax.split(env[piece.source], piece.sizes, axis=piece.dim)
+    part = parts[piece.index]
+    return lax.squeeze(part, (piece.dim,)) if piece.squeeze else part
+
+
+def _broadcast_matrix(operand: Any) -> torch.fx.Node | None:
+    """The 2-D tensor that a bmm operand merely repeats over the batch, or None.
+
+    Decomposing `linear` / `matmul` on a non-contiguous 3-D input (MultiheadAttention's input
+    projection, for one) gives `bmm(x, view(expand(w, [b, k, n])))`: b small matrix products
+    against one weight. One (b*m, k) x (k, n) product computes the same and is far faster on XLA."""
+    node = operand
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.view.default:
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.target is not torch.ops.aten.expand.default:
+        return None
+    source = node.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if isinstance(value, torch.Tensor) and value.ndim == 2 and list(node.args[1][1:]) == list(value.shape):
+        return source
+    return None
+
+
+def _transposed_matrix(operand: Any) -> torch.fx.Node | None:
+    """The 2-D tensor `w` when a matmul operand is `w.t()` (`permute(w, [1, 0])`), else None.
+
+    `linear` decomposes to `addmm(b, x, permute(w, [1, 0]))`. Contracting x with w's second
+    dimension directly gives XLA the same product, and makes autodiff keep `w` itself for the
+    backward instead of a transposed copy, which the forward would otherwise have to write out
+    every step (one copy of every weight matrix)."""
+    if not isinstance(operand, torch.fx.Node) or operand.target not in (
+            torch.ops.aten.permute.default, torch.ops.aten.t.default):
+        return None
+    if operand.target is torch.ops.aten.permute.default and list(operand.args[1]) != [1, 0]:
+        return None
+    source = operand.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    return source if isinstance(value, torch.Tensor) and value.ndim == 2 else None
+
+
+def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
+    aten = torch.ops.aten
+    if node.target is aten.bmm.default:
+        weight = _broadcast_matrix(node.args[1])
+        if weight is not None:
+            return _conform(linalg.product(_read(node.args[0], env), env[weight]), node)
+    elif node.target is aten.mm.default or (node.target is aten.addmm.default and not node.kwargs):
+        matrix, other = (node.args[1], node.args[0]) if node.target is aten.mm.default else (node.args[2], node.args[1])
+        weight = _transposed_matrix(matrix)
+        a = _read(other, env)
+        if weight is not None and getattr(a, "ndim", 0) == 2:
+            product = linalg.contract_last(a, env[weight])
+            if node.target is aten.addmm.default:
+                product = linalg.with_bias(_read(node.args[0], env), product)
+            return _conform(product, node)
+    lowering = lookup(node.target)
+    assert lowering is not None, f"{node.target} passed capture's op check but has no lowering"
+    args = [_read(a, env) for a in node.args]
+    kwargs = {k: _read(v, env) for k, v in node.kwargs.items() if k not in _PLACEMENT_KWARGS}
+    if is_random(node):
+        args.insert(0, jax.random.fold_in(key, position))
+    if lowering.input_meta:
+        kwargs["meta"] = node.args[0].meta.get("val")
+    try:
+        result = lowering.fn(*args, **kwargs)
+    except UnsupportedOpError as exc:
+        raise UnsupportedOpError(f"{exc} (in {module_path(node)})") from None
+    except Exception as exc:  # a lowering meeting arguments it was not written for
+        raise UnsupportedOpError(
+            f"torch -> XLA: lowering {node.target} (in {module_path(node)}) failed for arguments "
+            f"{_describe_args(node)}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. "
+            "Rewrite that part of the model with other torch ops, or keep it outside the compiled module; "
+            "please report it with this message.") from exc
+    if isinstance(result, (tuple, list)):
+        return result  # multi-output ops are conformed element by element when read (getitem)
+    return _conform(result, node)
+
+
+def _describe_args(node: torch.fx.Node) -> str:
+    def one(a: Any) -> str:
+        value = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {value.dtype}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(one(v) for v in value) + "]"
+        return repr(value)
+    parts = [one(a) for a in node.args] + [f"{k}={one(v)}" for k, v in node.kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _read(value: Any, env: dict) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return env[value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_read(v, env) for v in value)
+    if isinstance(value, torch.dtype):
+        return jax_dtype(value)
+    return value
+
+
+def _conform(value: Any, node: torch.fx.Node) -> Any:
+    """Casts a lowering's result to the dtype torch recorded for the node, and checks its shape."""
+    expected = node.meta.get("val")
+    if not isinstance(expected, torch.Tensor):
+        return value
+    value = jnp.asarray(value)
+    dtype = jax_dtype(expected.dtype)
+    if value.dtype != dtype:
+        value = value.astype(dtype)
+    assert value.shape == tuple(expected.shape), (
+        f"lowering of {node.target} ({module_path(node)}) returned shape {value.shape}, torch expects "
+        f"{tuple(expected.shape)}")
+    return value

@@ -1,0 +1,201 @@
+"""The XLA executables of one captured graph: plain forward, forward-with-VJP per set of
+differentiated inputs, and backward, each compiled once and then called directly.
+
+`_program.Program` feeds them JAX arrays made from torch's tensors; `_autograd` calls
+forward-with-VJP and backward from inside torch's autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._pack import Packing
+from tpudist.compile._torch._placement import InputStaging
+from tpudist.compile._torch.lowering._captured import Captured
+from tpudist.compile._torch.lowering._lower import lower
+from tpudist.compile._torch.module._spmd import ProcessMesh
+
+
+class Executables:
+    """The executables of one captured graph and the gradient plumbing between them.
+
+    `observe` sees every output of a forward executable call, residuals included (the program
+    decides from the first staged call whether its input staging is safe).
+    """
+
+    def __init__(self, captured: Captured, observe: Callable[[Any], None]):
+        self.captured = captured
+        self._observe = observe
+        run = lower(captured)
+        random = captured.has_random
+        # each call's seed (drawn from torch's generator) becomes the graph's PRNG key in-graph
+        self._run = lambda arrays, seed: run(arrays, jax.random.key(seed) if random else None)
+        outputs = captured.outputs
+        # floating user outputs go through autograd; everything else (ints, buffer updates) does not
+        self.floats = tuple(i for i, o in enumerate(outputs) if o.kind == "user" and o.dtype is not None
+                            and (o.dtype.is_floating_point or o.dtype.is_complex))
+        self.rest = tuple(i for i in range(len(outputs)) if i not in self.floats)
+        self.float_output_dtypes = [outputs[i].dtype for i in self.floats]
+        # fresh callables per program: jit caches per underlying function, and count() must count
+        # this program's executables only
+        self._spmd = ProcessMesh(self._run) if captured.collective else None
+        self._compiled_forward: dict[tuple[int, ...], Any] = {}
+        self._compiled_backward: dict[Any, Any] = {}
+        self._packings: dict[tuple[int, ...], Packing] = {}
+        self._reached: dict[tuple, tuple[bool, ...]] = {}
+        # fresh cotangents from torch's autograd: staged like the inputs (see InputStaging); None
+        # until the first backward decides, False where they are imported afresh
+        self._cotangent_staging: InputStaging | None | bool = None
+        if self._spmd is None:
+            self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
+            self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
+            self._backward = jax.jit(lambda vjp, cotangents: _packed(_apply_vjp(vjp, cotangents)))
+            self._scale = jax.jit(lambda grads, c: [(g * c).astype(g.dtype) for g in grads])
+        else:
+            # one SPMD program over the processes (see _spmd); backward recomputes the forward
+            self._forward = jax.jit(lambda arrays, seed: self._spmd.run(arrays, seed))
+            self._forward_with_vjp = self._forward
+            self._backward = jax.jit(self._spmd_backward, static_argnums=0)
+
+    def _vjp_forward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array):
+        def differentiable(diff_arrays):
+            full = list(arrays)
+            for position, value in zip(diff, diff_arrays):
+                full[position] = value
+            outs = self._run(full, seed)
+            return [outs[i] for i in self.floats], [outs[i] for i in self.rest]
+
+        primal, vjp, rest = jax.vjp(differentiable, [arrays[p] for p in diff], has_aux=True)
+        if len(primal) == 1 and primal[0].shape == () and jnp.issubdtype(primal[0].dtype, jnp.floating):
+            # A scalar output (a loss): its VJP is linear in the one cotangent, so the gradients
+            # for a cotangent of 1 come out of this same executable, forward and backward fused
+            # as jax.value_and_grad is; backward only scales them (see `backward`).
+            grads = _torch_convention(vjp([jnp.ones_like(primal[0])])[0])
+            return primal, rest, _Scaled(Packing.of(grads).pack(grads))
+        return primal, rest, vjp
+
+    def _spmd_backward(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: jax.Array,
+                       cotangents: list[jax.Array]) -> list[jax.Array]:
+        def differentiable(diff_arrays):
+            full = list(arrays)
+            for position, value in zip(diff, diff_arrays):
+                full[position] = value
+            outs = self._spmd.run(full, seed)
+            return [outs[i] for i in self.floats]
+
+        _, vjp = jax.vjp(differentiable, [arrays[p] for p in diff])
+        return _apply_vjp(vjp, cotangents)
+
+    def forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
+        """Every output of the graph, with no gradient plumbing (nothing to differentiate)."""
+        if self._spmd is None:
+            result = self._forward(arrays, seed)
+            self._observe(result)
+            return result
+        spmd = self._spmd
+        outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
+        return [spmd.to_local(o) for o in outs]
+
+    def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any):
+        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`, called
+        directly once compiled (jit's dispatch with a static argument costs tens of us a call)."""
+        if self._spmd is None:
+            compiled = self._compiled_forward.get(diff)
+            if compiled is None:
+                compiled = self._compiled_forward[diff] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
+            result = compiled(arrays, seed)
+            self._observe(result)
+            return result
+        spmd = self._spmd
+        arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
+        outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
+
+        def vjp(cotangents: list[jax.Array]) -> list[jax.Array]:
+            grads = self._backward(diff, arrays, seed, [spmd.to_global(c) for c in cotangents])
+            return [spmd.to_local(g) for g in grads]
+        return [outs[i] for i in self.floats], [outs[i] for i in self.rest], vjp
+
+    def reached(self, diff: tuple[int, ...], used: tuple[int, ...]) -> tuple[bool, ...]:
+        """Per differentiated input: whether the gradient of the floating outputs `used` (positions
+        among them) reaches it."""
+        key = (diff, used)
+        found = self._reached.get(key)
+        if found is None:
+            reach = frozenset().union(*(self.captured.reaches[i] for i in used))
+            found = self._reached[key] = tuple(p in reach for p in diff)
+        return found
+
+    def packing(self, diff: tuple[int, ...], arrays: list[jax.Array]) -> Packing | None:
+        """How the gradients of the `diff` inputs cross to torch (None: one by one, SPMD)."""
+        if self._spmd is not None:
+            return None
+        packing = self._packings.get(diff)
+        if packing is None:
+            packing = self._packings[diff] = Packing.of([arrays[p] for p in diff])
+        return packing
+
+    def backward(self, vjp: Any, cotangents: list[torch.Tensor], packing: Packing | None,
+                 dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Gradients of the differentiated inputs as torch tensors of `dtypes`: one XLA executable,
+        none for a scalar output whose cotangent is 1 (`loss.backward()`)."""
+        if isinstance(vjp, _Scaled):
+            (cotangent,) = cotangents
+            if cotangent.item() == 1:  # one number read (a device sync only where the loss is on one)
+                return packing.unpack(vjp.grads, dtypes)
+            return packing.unpack(self._scale(vjp.grads, to_jax(cotangent)), dtypes)
+        if self._spmd is not None:
+            return [to_torch(g, dtype) for g, dtype in zip(vjp([to_jax(g) for g in cotangents]), dtypes)]
+        staging = self._cotangent_staging
+        if staging is None:
+            staging = self._cotangent_staging = InputStaging.build(cotangents, list(range(len(cotangents)))) or False
+        staged = staging.acquire(cotangents) if staging and staging.fits(cotangents) else None
+        grads = None
+        try:
+            arrays = [staged[i] for i in range(len(cotangents))] if staged else [to_jax(g) for g in cotangents]
+            structure = jax.tree_util.tree_structure((vjp, arrays))
+            compiled = self._compiled_backward.get(structure)
+            if compiled is None:
+                compiled = self._compiled_backward[structure] = self._backward.lower(vjp, arrays).compile()
+            grads = compiled(vjp, arrays)
+            if staged and not staging.checked:
+                staging.check(grads)
+            return packing.unpack(grads, dtypes)  # waits for the executable
+        finally:
+            if staged is not None and not staging.release(grads[0] if grads else None):
+                self._cotangent_staging = False
+
+    def count(self) -> int:
+        """How many XLA executables have been compiled so far (0 where JAX cannot say)."""
+        jitted = {id(f): f for f in (self._forward, self._forward_with_vjp, self._backward)}.values()
+        return (sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted) + len(self._compiled_forward)
+                + len(self._compiled_backward))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class _Scaled:
+    """The gradients of a scalar output for a cotangent of 1, standing in for its VJP closure."""
+
+    grads: list[jax.Array]
+
+
+def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:
+    (grads,) = vjp(_torch_convention(cotangents))
+    return _torch_convention(grads)
+
+
+def _torch_convention(values: list[jax.Array]) -> list[jax.Array]:
+    """Complex cotangents between torch and JAX: torch's gradient of a real loss L at z is
+    dL/dRe z + i dL/dIm z, JAX's its conjugate; the same map converts either way."""
+    return [jnp.conj(v) if jnp.iscomplexobj(v) else v for v in values]
+
+
+def _packed(grads: list[jax.Array]) -> list[jax.Array]:
+    return Packing.of(grads).pack(grads)

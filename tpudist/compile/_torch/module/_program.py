@@ -1,0 +1,122 @@
+"""A Program: one cache entry of a compiled module, for one input signature and train/eval mode.
+
+It owns the captured graph and its executables (`_executables`), and runs one call end to end:
+torch tensors in (staged into reused device buffers where they are small), XLA, torch tensors
+out, buffers updated in place as eager torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from tpudist.compile._torch._convert import ViewCache, to_jax, to_torch
+from tpudist.compile._torch._placement import InputStaging
+from tpudist.compile._torch.lowering._captured import Captured, resolver
+from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
+from tpudist.compile._torch.module._executables import Executables
+
+
+class Program:
+    """One captured graph of `module` and its executables, called with torch's tensors."""
+
+    def __init__(self, module: torch.nn.Module, captured: Captured):
+        self.captured = captured
+        # fresh executables per program, so that executables() counts this program's only
+        self._executables = Executables(captured, self._check_staging)
+        self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
+        self._resolve = [resolver(module, slot, captured) for slot in self._slots]
+        self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
+        # parameters and buffers the graph only reads cross once, as views (see ViewCache)
+        self._long_lived = [slot.kind in ("param", "buffer", "constant") and not slot.mutated for slot in self._slots]
+        # inputs that are differentiated whenever the call's tensor there requires grad
+        self._differentiable = tuple(i for i, slot in enumerate(self._slots)
+                                     if slot.used and slot.kind in ("param", "input"))
+        self._views = ViewCache()
+        self._writes_back = any(o.kind in ("buffer", "input") for o in captured.outputs)  # else all outputs are the user's
+        self._mutated_inputs = [i for i, slot in enumerate(self._slots) if slot.kind == "input" and slot.mutated]
+        # small CPU inputs: copied into reused device buffers (see InputStaging); None until the
+        # first call decides, False where they are imported afresh
+        self._staging: InputStaging | None | bool = None
+
+    def executables(self) -> int:
+        """How many XLA executables this program has compiled so far (0 where JAX cannot say)."""
+        return self._executables.count()
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def __call__(self, leaves: list[Any]) -> Any:
+        tensors = [resolve(leaves) for resolve in self._resolve]
+        diff = tuple(i for i in self._differentiable if tensors[i].requires_grad
+                     and (tensors[i].is_floating_point() or tensors[i].is_complex())) if torch.is_grad_enabled() else ()
+        for i in self._mutated_inputs:
+            if tensors[i].requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(f"torch -> XLA: the compiled forward modifies its input {self._slots[i].name} "
+                                   "in place while it requires grad; tpudist writes the new value back outside "
+                                   "autograd. Modify a copy inside forward (x = x.clone()), or detach the input")
+        staging = self._staging
+        if staging is None:
+            staging = self._staging = self._input_staging(tensors) or False
+        staged = staging.acquire(tensors) if staging else None
+        executables, first = self._executables, None
+        try:
+            arrays = [staged[i] if staged is not None and i in staged
+                      else self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
+                      for i, (t, slot) in enumerate(zip(tensors, self._slots))]
+            seed = _seed() if self.captured.has_random else np.uint32(0)
+            outputs: list[Any] = [None] * len(self.captured.outputs)
+            if diff and executables.floats:
+                call = XlaCall(executables, arrays, diff, seed)
+                floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
+                rest, first = call.rest, call.first
+            else:
+                # converting an output to torch waits for it; by then XLA is done reading the inputs
+                results = executables.forward(arrays, seed)
+                floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in executables.floats]
+                rest, first = [results[i] for i in executables.rest], results[0] if results else None
+        finally:
+            if staged is not None and not staging.release(first):
+                self._staging = False  # unsafe to reuse (see InputStaging.release): import afresh from now on
+        for i, value in zip(executables.floats, floats):
+            outputs[i] = value
+        for i, value in zip(executables.rest, rest):
+            slot = self.captured.outputs[i]
+            outputs[i] = to_torch(value, slot.dtype) if slot.dtype is not None else value
+        return self._finish(outputs, leaves, tensors)
+
+    def _input_staging(self, tensors: list[torch.Tensor]) -> InputStaging | None:
+        if self.captured.collective or not self.captured.outputs:
+            return None
+        slots = [i for i, slot in enumerate(self._slots)
+                 if slot.kind == "input" and not slot.mutated and not self._long_lived[i]]
+        return InputStaging.build(tensors, slots)
+
+    def _check_staging(self, result: Any) -> None:
+        """Sees every output of an executable call, residuals included: those of the first staged
+        call decide whether staging is safe for this program."""
+        staging = self._staging
+        if staging and not staging.checked:
+            staging.check(jax.tree_util.tree_leaves(result))
+
+    def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor]) -> Any:
+        if not self._writes_back:
+            return self.captured.template.rebuild(outputs)
+        user = []
+        with torch.no_grad():
+            for value, slot in zip(outputs, self.captured.outputs):
+                if slot.kind == "buffer":
+                    # in place, as eager BatchNorm updates its running statistics
+                    tensors[self._buffer_position[slot.target]].copy_(value)
+                elif slot.kind == "input":
+                    leaves[slot.target].copy_(value)
+                else:
+                    user.append(value)
+        return self.captured.template.rebuild(user)
+
+
+def _seed() -> np.uint32:
+    # drawn from torch's default generator, so torch.manual_seed makes compiled dropout reproducible
+    return np.uint32(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())

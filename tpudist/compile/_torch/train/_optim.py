@@ -1,0 +1,147 @@
+"""torch.optim's SGD, Adam and AdamW as JAX update rules, for the fused train step.
+
+The update runs inside the step's XLA executable; the optimizer object stays the source of truth
+for its hyperparameters. Each step reads every param group's current values (so LR schedulers and
+hand edits of `group["lr"]` work without recompiling) into one (groups, fields) float32 table,
+sent to the devices only when it changes, and the structural choices (momentum on or off,
+nesterov, amsgrad, maximize, decoupled weight decay) into a static tuple that is part of the
+executable's signature. Each parameter's step count (Adam's `state["step"]`; for SGD, whether
+its momentum buffer exists yet) lives on the devices beside the optimizer state, so Adam's bias
+corrections are computed in-graph: `1 - beta^t` as `-expm1(t * log(beta))` from `log(beta)`
+computed on the host in double precision, which keeps them within float32 rounding of torch's
+Python-float values. Otherwise the numbers follow torch.optim's single-tensor CPU code op for op.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpudist.compile._torch._convert import jax_dtype
+
+SUPPORTED = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
+
+
+class OptimizerKind(enum.StrEnum):
+    """Which update rule a parameter takes (AdamW is Adam with decoupled weight decay)."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+@dataclass(frozen=True)
+class ParamConfig:
+    """The static part of one parameter's update (a key of the compiled step)."""
+
+    kind: OptimizerKind
+    state: tuple[str, ...]     # names of its optimizer.state entries that are tensors
+    momentum: bool = False     # sgd: momentum != 0
+    nesterov: bool = False
+    maximize: bool = False
+    amsgrad: bool = False
+    decoupled: bool = False    # AdamW's weight decay
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    """The optimizer's update rule; TypeError naming the supported optimizers otherwise."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return OptimizerKind.SGD
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return OptimizerKind.ADAM
+    raise TypeError(f"the fused train step implements {SUPPORTED} inside the XLA step; got "
+                    f"{type(optimizer).__name__}. Use tpudist.fit(..., step_fn=tpudist.eager_step(model, "
+                    "loss_fn, optimizer)) or tpudist.optimizer_step for any other torch optimizer.")
+
+
+def _float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def config(kind: OptimizerKind, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> ParamConfig:
+    """The static update structure of a parameter in `group`."""
+    if group.get("differentiable"):
+        raise ValueError("the fused train step does not support differentiable=True optimizers")
+    if kind == OptimizerKind.SGD:
+        momentum = _float(group["momentum"]) != 0
+        return ParamConfig(OptimizerKind.SGD, ("momentum_buffer",) if momentum else (), momentum=momentum,
+                           nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))
+    amsgrad = bool(group["amsgrad"])
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+    return ParamConfig(OptimizerKind.ADAM, ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()),
+                       amsgrad=amsgrad, maximize=bool(group["maximize"]), decoupled=decoupled)
+
+
+FIELDS = 8  # width of the hyperparameter table
+
+
+def hyper_row(kind: OptimizerKind, group: dict[str, Any]) -> list[float]:
+    """One param group's row of the hyperparameter table (read on the host every step).
+
+    sgd:  lr, momentum, dampening, weight_decay
+    adam: lr, log(beta1), log(beta2), beta1, beta2, eps, weight_decay, 1 - lr * weight_decay
+    """
+    lr, wd = _float(group["lr"]), _float(group["weight_decay"])
+    if kind == OptimizerKind.SGD:
+        return [lr, _float(group["momentum"]), _float(group["dampening"]), wd, 0.0, 0.0, 0.0, 0.0]
+    beta1, beta2 = (_float(b) for b in group["betas"])
+    return [lr, math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
+            beta1, beta2, _float(group["eps"]), wd, 1 - lr * wd]
+
+
+def initial_state(cfg: ParamConfig, param: torch.Tensor) -> list[np.ndarray]:
+    """Zeros for every state tensor the optimizer has not created yet (SGD's first step ignores
+    its buffer: its step count is 0 then)."""
+    return [np.zeros(tuple(param.shape), dtype=jax_dtype(param.dtype)) for _ in cfg.state]
+
+
+def step_count(cfg: ParamConfig, state: dict[str, Any]) -> float:
+    """How many updates torch's optimizer state says this parameter has had: Adam's `step`; for
+    SGD with momentum, 1 once its momentum buffer exists (all the update rule needs to know)."""
+    if cfg.kind == OptimizerKind.ADAM:
+        return _float(state["step"]) if "step" in state else 0.0
+    return 1.0 if state.get("momentum_buffer") is not None else 0.0
+
+
+def update(cfg: ParamConfig, param: jax.Array, grad: jax.Array, state: tuple[jax.Array, ...], row: jax.Array,
+           count: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """One parameter's update in JAX, as torch.optim computes it: (new param, new state). `count`
+    is the parameter's step count before this update (a float32 scalar)."""
+    row = row.astype(jnp.float32)
+    if cfg.maximize:
+        grad = -grad
+    if cfg.kind == OptimizerKind.SGD:
+        lr, momentum, dampening, wd = (row[i].astype(param.dtype) for i in range(4))
+        grad = grad + wd * param
+        new_state: tuple[jax.Array, ...] = ()
+        if cfg.momentum:
+            (buf,) = state
+            buf = jnp.where(count == 0, grad, buf * momentum + (1 - dampening) * grad)
+            grad = grad + momentum * buf if cfg.nesterov else buf
+            new_state = (buf,)
+        return param - lr * grad, new_state
+    lr, log_beta1, log_beta2, beta1, beta2, eps, wd, decay = (row[i] for i in range(FIELDS))
+    t = count + 1
+    step_size = (lr / -jnp.expm1(t * log_beta1)).astype(param.dtype)
+    bias2_sqrt = jnp.sqrt(-jnp.expm1(t * log_beta2)).astype(param.dtype)
+    beta1, beta2, eps, wd, decay = (v.astype(param.dtype) for v in (beta1, beta2, eps, wd, decay))
+    if cfg.decoupled:
+        param = param * decay
+    else:
+        grad = grad + wd * param
+    exp_avg, exp_avg_sq, *rest = state
+    exp_avg = exp_avg + (1 - beta1) * (grad - exp_avg)          # torch: exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+    second = exp_avg_sq
+    new_state = (exp_avg, exp_avg_sq)
+    if cfg.amsgrad:
+        second = jnp.maximum(rest[0], exp_avg_sq)
+        new_state += (second,)
+    denom = jnp.sqrt(second) / bias2_sqrt + eps
+    return param - step_size * (exp_avg / denom), new_state

@@ -1,0 +1,161 @@
+"""One compiled signature of the fused step: its executable, and how each call feeds it.
+
+A `Signature` is built once per batch signature, train/eval mode and autocast setting: it
+captures the objective on an example batch, classifies its inputs (`_plan`), lowers it into the
+per-device body (`_body`) and compiles that under `shard_map`. A call hands the executable the
+state the mirror holds, the batch and the step's inputs, launches it without waiting, and returns
+its `StepOutputs`; the train step (`_fused.TrainStep`) applies them. Between its own steps the
+signature keeps the buffers its graph writes back (it is the mirror's `BufferHolder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+from jax.sharding import PartitionSpec as P
+
+import tpudist._profile as _profile
+from tpudist.compile._torch._pack import Packing
+from tpudist.compile._torch._placement import AXIS, Placement, Staging
+from tpudist.compile._torch.lowering._capture import capture
+from tpudist.compile._torch.lowering._lower import lower
+from tpudist.compile._torch.train._body import StepOutputs, make_body
+from tpudist.compile._torch.train._plan import Layout, Objective, plan
+from tpudist.compile._torch.train._pool import StatePool, flatten_state, unflatten_state
+from tpudist.compile._torch.train._state import Mirror
+
+RUN_AHEAD = 8  # staged batches in flight: how many steps the host may run ahead of the device (see Staging)
+
+
+class Signature:
+    """The compiled step for one batch signature, train/eval mode and autocast setting.
+
+    `capture_seconds` is what its capture took; `on_compile(seconds)` is told each time its
+    executable is compiled (the first call, and again for a pool of other shapes or dtypes)."""
+
+    def __init__(self, objective: Objective, example: Any, *, layout: Layout, mirror: Mirror,
+                 placement: Placement, accumulate: int, max_grad_norm: float | None, name: str,
+                 on_compile: Callable[[float], None]):
+        from tpudist.compile._jax_step import compile_jax
+        captured = capture(objective, (example,), {}, where=" (or train with tpudist.eager_step)",
+                           torch_autograd=False)
+        self.capture_seconds = captured.seconds
+        self.mirror, self.placement, self._on_compile = mirror, placement, on_compile
+        self.plan = plan(captured, objective, layout)
+        self.random = captured.has_random
+        devices = placement.mesh.devices.size
+        collective = _averages(devices, layout)
+        body = make_body(self.plan, layout, lower(captured), devices=devices, accumulate=accumulate,
+                         random=self.random, max_norm=max_grad_norm, collective=collective)
+        if mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
+            body = _pooled(body, mirror.pool)
+            param_specs, state_specs = P(), P()
+        else:
+            param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
+            state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
+        split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
+        in_specs = (param_specs, P(), P(), state_specs, P(), P(), split, P(), split)
+        out_specs = StepOutputs(param_specs, P(), state_specs, P(), P(AXIS), P(), P())
+        self.step = compile_jax(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
+                                per_device=True, donate_argnums=(0, 2, 3, 4), name=f"train step ({name})")
+        self._serialize = self.step._serialize
+        self._span_name = f"tpudist.torch_step[{name}]"
+        self._executable: jax.stages.Compiled | None = None
+        self._packing: Packing | None = None  # the mirror's pool layout the executable was compiled for
+        self._in_flight: jax.Array | None = None
+        self.fixed: list[jax.Array] = []
+        self.updated: list[jax.Array] = []
+        self.updated_keys = [key for key, _ in self.plan.updated]
+        self._generation = -1
+        self._batches: tuple[list[jax.Array] | None, list[jax.Array] | None] = (None, None)
+        self._staging = _staging(placement, example, self.plan.batch_leaves, placement.local_count * accumulate)
+        mirror.register(self.plan.fixed, self.plan.updated)
+
+    def __call__(self, leaves: list[Any], on_device: bool, hyper: jax.Array, rng: jax.Array | None,
+                 signal: jax.Array | None, call: int) -> StepOutputs:
+        """Launches one step on the batch's `leaves` (device arrays if `on_device`) with the
+        hyperparameter table, the random key (None: the graph draws nothing) and the flag (None:
+        the step takes none); `call` numbers its profile span. Does not wait for the step."""
+        mirror, plan = self.mirror, self.plan
+        if mirror.holder is not self:  # another signature (or torch) last wrote the buffers
+            mirror.flush_holder()
+        if self._generation != mirror.generation:
+            self.fixed = [mirror.named[k] for k, _ in plan.fixed]
+            self.updated = [mirror.named[k] for k, _ in plan.updated]
+            self._generation = mirror.generation
+        staged = None
+        if on_device:
+            batch = [leaves[i] for i in plan.batch_leaves]
+        elif self._staging is not None:  # the signature fixes the dtypes the buffers were made for
+            batch, staged = self._staging.put([leaves[i] for i in plan.batch_leaves])
+        else:
+            put = self.placement.put
+            batch = [put(leaves[i], split=True, copy=True) for i in plan.batch_leaves]
+        params, states = mirror.pool.step_arrays()
+        args = (params, self.fixed, self.updated, states, mirror.counts, hyper, batch, rng, signal)
+        if self._executable is None or self._packing is not mirror.pool.packing:
+            self._packing = mirror.pool.packing  # (a pool of other shapes or dtypes: compiled again)
+            self._executable = self.step.compiled(*args)
+            self._on_compile(self.step.stats.compile_seconds)
+        if self._serialize and self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)  # see CompiledStep: multi-device CPU steps must not overlap
+        if _profile.active:
+            with _profile.span(self._span_name, call=call):
+                out: StepOutputs = self._executable(*args)
+        else:
+            out = self._executable(*args)
+        self.updated = out.updated
+        self._in_flight = out.loss
+        if staged is not None:
+            self._staging.used(staged, out.loss)
+        else:
+            # imported batch buffers are torch's: released here two steps on, when XLA is done with
+            # them, rather than by XLA's thread as the step ends (it would wait for this thread's GIL)
+            self._batches = (batch, self._batches[0])
+        return out
+
+
+def _staging(placement: Placement, example: Any, batch_leaves: list[int], rows: int) -> Staging | None:
+    """Reused device buffers the batch tensors are copied into (small batch tensors on a CPU mesh,
+    see Staging), or None where the batch crosses as it is."""
+    leaves = torch.utils._pytree.tree_leaves(example)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    examples = [tensors[i] for i in batch_leaves] if len(tensors) == len(leaves) else []
+    if not examples or not all(Staging.fits(placement, t) for t in examples):
+        return None
+    full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in examples]
+    try:
+        return Staging(placement, full, sets=RUN_AHEAD)
+    except RuntimeError:  # this platform copies host memory on import: no reuse possible
+        return None
+
+
+def _pooled(body: Callable[..., StepOutputs], state: StatePool) -> Callable[..., StepOutputs]:
+    """`body` taking and returning the parameters and optimizer state as the pool (see `_pool`),
+    cut into arrays as the step starts and packed again as it ends, in the pool's layout when the
+    step is traced."""
+    def pooled(pool, fixed, updated, _states, *rest):
+        packing = state.packing
+        params, states = unflatten_state(packing.split(pool), state.layout)
+        out = body(params, fixed, updated, states, *rest)
+        # each array back in the dtype its place in the pool has, so the pool keeps its layout
+        flat = [a.astype(dtype) for a, dtype in zip(flatten_state(out.params, out.states), packing.dtypes)]
+        return out._replace(params=packing.pack(flat), states=[])
+
+    return pooled
+
+
+def _averages(devices: int, layout: Layout) -> bool:
+    """Whether the step averages its gradients over the devices in an all-reduce.
+
+    Not on one device with nothing sharded (see make_body), except where a trained parameter has
+    3 or more dims (convolution kernels): XLA:CPU's convolutions give their kernel gradients in
+    its own layout, and without the all-reduce in between it fuses the transpose into torch's
+    layout into the optimizer update as a strided read; measured 5% slower on ResNet-18 than
+    the all-reduce's separate, tiled transpose."""
+    if devices > 1 or any(e.sharded for e in layout.entries):
+        return True
+    return any(e.param.ndim >= 3 for e in layout.entries)
