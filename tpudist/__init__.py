@@ -49,6 +49,7 @@ _EXPORTS = {
     "collective_stats": "tpudist.collectives",
     "CollectiveStats": "tpudist.collectives",
     # compiled steps
+    "dynamo_stats": "tpudist.compile",
     "compile_stats": "tpudist.compile",
     "CompileStats": "tpudist.compile",
     "ShardedEmbedding": "tpudist.compile",

@@ -145,8 +145,14 @@ def test_unsupported_op_names_the_op_and_the_module_path():
 
 def test_untraceable_forward_and_unknown_options_are_clear_errors():
     class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
         def forward(self, x):
-            return x * 2 if x.sum() > 0 else x  # Python control flow on a tensor's value
+            # Python control flow on a value computed from a parameter (one from the inputs alone is
+            # specialised and guarded: test_data_dependent.py)
+            return x * 2 if (x * self.w).sum() > 0 else x
 
     with pytest.raises(CaptureError, match="DataDependent.forward") as info:
         tpudist.compile(DataDependent())(torch.randn(3))

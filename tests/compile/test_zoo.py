@@ -30,13 +30,13 @@ transformers = pytest.importorskip("transformers")
 T = transformers
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-VOCAB, BATCH, SEQ, IMAGE, LABELS = 64, 4, 8, 32, 3
+VOCAB, BATCH, SEQ, IMAGE, LABELS, AUDIO = 64, 4, 8, 32, 3, 400
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     build: Callable[[dict], torch.nn.Module]   # config overrides -> model
-    kind: str                                  # "classify" | "causal" | "masked" | "seq2seq" | "image" | "segment"
+    kind: str  # "classify" | "causal" | "masked" | "seq2seq" | "image" | "segment" | "ctc"
     no_dropout: dict                           # config overrides that turn every dropout off
     has_dropout: bool = True                   # whether the default config drops out at all
 
@@ -116,6 +116,20 @@ ZOO = {
     "mpnet": Entry(_text(T.MPNetConfig, T.MPNetForMaskedLM, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=40), "masked",
                    dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    # data-dependent: CTC's feature lengths and label count come from the inputs (specialised, guarded)
+    "wav2vec2": Entry(_text(T.Wav2Vec2Config, T.Wav2Vec2ForCTC, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2),
+                            conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                            feat_extract_norm="layer", do_stable_layer_norm=True, pad_token_id=0,
+                            layerdrop=0.0, mask_time_prob=0.0), "ctc",  # (random branches: see test_data_dependent)
+                      dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                           final_dropout=0.0)),
+    # data-dependent: the loss counts the labelled rows (nonzero) and branches on it
+    "deberta_v2": Entry(_text(T.DebertaV2Config, T.DebertaV2ForSequenceClassification, vocab_size=VOCAB,
+                              hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=32, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                              num_labels=LABELS), "classify",
+                        dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
     "efficientnet": Entry(_text(T.EfficientNetConfig, T.EfficientNetForImageClassification, image_size=IMAGE,
                                 width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128,
                                 num_labels=LABELS), "image",
@@ -131,6 +145,12 @@ def make_batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
     if kind == "segment":  # a class per pixel
         return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
                 "labels": torch.randint(0, LABELS, (BATCH, IMAGE, IMAGE), generator=g)}
+    if kind == "ctc":  # 400 samples: 39 frames; one padded recording, one shorter transcript
+        mask = torch.ones(BATCH, AUDIO, dtype=torch.int64)
+        mask[0, -100:] = 0
+        labels = torch.randint(1, VOCAB, (BATCH, 6), generator=g)
+        labels[0, -2:] = -100
+        return {"input_values": torch.randn(BATCH, AUDIO, generator=g), "attention_mask": mask, "labels": labels}
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
     mask[0, -3:] = 0  # one padded sequence: the attention mask matters

@@ -13,6 +13,8 @@ from typing import Any
 
 _EXPORTS = {
     "compile": "tpudist.compile._dispatch",
+    "dynamo_stats": "tpudist.compile._torch.module._dynamo",
+    "DynamoStats": "tpudist.compile._torch.module._dynamo",
     "compile_stats": "tpudist.compile._jax_step",
     "CompileStats": "tpudist.compile._jax_step",
     "CompiledStep": "tpudist.compile._jax_step",

@@ -15,8 +15,11 @@ class CaptureStats:
         a steady training loop stays at 1.
     calls: all calls.
     capture_seconds: time spent in torch.export and decomposition.
+    recaptures: captures again because a data-dependent value the capture specialised on changed
+        (also counted in `compiles`).
     """
 
     compiles: int = 0
     calls: int = 0
     capture_seconds: float = 0.0
+    recaptures: int = 0

@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import operator
+import random
+import re
+import sys
 import time
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
-from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp
+from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp, _observed
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
 from tpudist.compile._torch.lowering._outputs import FlatOutputs
+from tpudist.compile._torch.lowering.ops.ctc import CtcAsOneOp
 from tpudist.compile._torch.lowering._registry import (
     IGNORED_OPS,
     UnsupportedOpError,
@@ -94,8 +100,15 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # the forward enters the autocast itself: one around torch.export is not traced
-            with torch.fx.traceback.preserve_node_meta():  # keeps checkpoint regions' marks (see _custom_grad)
-                program = torch.export.export(flat, args, kwargs, strict=False)
+            with torch.fx.traceback.preserve_node_meta(), CtcAsOneOp():  # (keeps checkpoint marks: _custom_grad)
+                before = _host_random_state()
+                program, guard = _export(flat, args, kwargs)
+                if _host_random_state() != before:
+                    raise CaptureError(
+                        f"torch -> XLA: {type(module).__name__}.forward draws random numbers with Python's `random` "
+                        "or numpy's global generator while it is traced (e.g. transformers' SpecAugment masks, "
+                        "mask_time_prob > 0); the compiled graph would replay the traced draw on every call. Draw "
+                        f"them with torch (torch.rand / torch.bernoulli), or turn that option off{where}.")
         except _custom_grad.CustomGradError as exc:
             raise _custom_grad_error(exc, where) from None
         except CaptureError:
@@ -103,13 +116,14 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
             raise CaptureError(
                 f"torch -> XLA: torch.export could not trace {type(module).__name__}.forward for inputs "
-                f"{_describe(args, kwargs)}: {type(exc).__name__}: {_first_line(exc)}. Data-dependent Python "
-                "control flow and shapes are the usual cause; move that part outside the compiled module"
-                f"{where}.") from exc
+                f"{_describe(args, kwargs)}: {type(exc).__name__}: {_first_line(exc)}{_raised_at(exc)}. "
+                "Data-dependent Python control flow and shapes are the usual cause; move that part outside the "
+                f"compiled module{where}.") from exc
         _keep_stop_gradients(program.graph_module)
         _keep_attention(program.graph_module)
         try:
-            program = program.run_decompositions(_decompositions())
+            with _observed.quiet() if guard is not None else contextlib.nullcontext():
+                program = program.run_decompositions(_decompositions())
         except Exception as exc:  # a decomposition of torch's own failed on this graph
             op, path = _failing_decomposition(program)
             raise CaptureError(
@@ -123,8 +137,32 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
     template = flat.template()
     assert template is not None, "the traced forward did not run"
     captured = plumbing(program, template)
+    captured.guard = guard
     captured.seconds = time.perf_counter() - start
     return captured
+
+
+def _host_random_state() -> tuple:
+    """Python's and numpy's global generators, to tell whether a trace drew from them (a draw torch.export
+    cannot see: it would be baked into the graph as a constant)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return random.getstate(), keys.tobytes(), pos, has_gauss, cached
+
+
+def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram, Any]:
+    """torch.export; where it stops at a value computed from the inputs, again with the real values
+    deciding (specialised and guarded, see _observed)."""
+    printed = io.StringIO()  # torch prints the partial graph of a failed export; not when recovered here
+    try:
+        with contextlib.redirect_stderr(printed), _observed.quiet():
+            return torch.export.export(flat, args, kwargs, strict=False), None
+    except Exception as exc:
+        if not _observed.is_data_dependent(exc):
+            raise
+        printed = io.StringIO()
+    finally:
+        sys.stderr.write(printed.getvalue())
+    return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward")
 
 
 def _check_layouts(module: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> None:
@@ -165,6 +203,15 @@ def _prepare_functions(graph: torch.fx.Graph, where: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _raised_at(exc: BaseException) -> str:
+    """ " (at file:line)": the user's call torch.export names in its message, if it does."""
+    text = str(exc)
+    if "The following call raised this error" not in text:
+        return ""
+    found = re.search(r'File "([^"]+)", line (\d+)', text.split("The following call raised this error", 1)[1])
+    return f" (at {found.group(1)}:{found.group(2)})" if found else ""
 
 
 def _failing_decomposition(program: torch.export.ExportedProgram) -> tuple[str, str]:
@@ -249,7 +296,8 @@ def _data_dependent_message(node: torch.fx.Node) -> str:
     hint = next((text for key, text in _STATIC_REWRITES.items() if name.lstrip("_").startswith(key)),
                 "a static-shape form of that computation (torch.where, a mask)")
     return (f"torch -> XLA: {node.target} in {module_path(node)} produces a data-dependent shape; XLA compiles "
-            f"for static shapes. Use {hint}, or keep that part outside the compiled module.")
+            f"for static shapes. Use {hint}, or keep that part outside the compiled module (the op is at "
+            f"{_observed.user_line(node)}).")
 
 
 def _has_symbolic_shape(value: Any) -> bool:

@@ -73,6 +73,8 @@ class Captured:
     # per floating user output (in output order): the tensor inputs (positions among the graph's
     # non-literal inputs) its gradient reaches
     reaches: list[frozenset[int]] = field(default_factory=list)
+    # the data-dependent values this capture specialised on (an `_observed.Guard`), checked per call
+    guard: Any = None
 
 
 def module_path(node: torch.fx.Node) -> str:

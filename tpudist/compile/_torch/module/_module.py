@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from tpudist import _stacks
 from tpudist.compile._torch.lowering._capture import autocast_state, capture
+from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch.module._program import Program
 from tpudist.compile._torch._stats import CaptureStats
 from tpudist.compile._torch._sync import leaf_key, sync_module
@@ -43,9 +44,12 @@ class CompiledModule(torch.nn.Module):
         optimizer.step()                        # any torch.optim optimizer over model.parameters()
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, long_lived: frozenset[int] = frozenset()):
         super().__init__()
         self.module = module
+        # flat input positions that hold parameters or buffers (dynamo passes them as inputs): viewed once
+        self._long_lived = long_lived
+        self._keyed: list[int] | None = None  # the other positions, the only ones in the cache key
         self._stats = TorchCompileStats()
         self._programs: dict[Any, Program] = {}
         self._submodules = list(module.modules())
@@ -61,17 +65,29 @@ class CompiledModule(torch.nn.Module):
         stats = self._stats
         stats.calls += 1
         _stacks.entered("compiled module")  # progress for the launcher's --hang-timeout
-        if not kwargs and all(type(a) is torch.Tensor for a in args):
+        if self._long_lived and not kwargs:
+            # dynamo's flat call: its guards already pin the parameters' and buffers' shapes and dtypes
+            leaves, spec = list(args), len(args)
+            if self._keyed is None:
+                self._keyed = [i for i in range(len(args)) if i not in self._long_lived]
+            keyed = [args[i] for i in self._keyed]
+        elif not kwargs and all(type(a) is torch.Tensor for a in args):
             # the common call, cm(x) / cm(x, y): no pytree walk (tens of us a call)
             leaves, spec = list(args), len(args)
+            keyed = leaves
         else:
             leaves, spec = tree_flatten((args, kwargs))
-        key = (tuple(m.training for m in self._submodules), spec, tuple(leaf_key(leaf) for leaf in leaves),
+            keyed = leaves
+        key = (tuple(m.training for m in self._submodules), spec, tuple(leaf_key(leaf) for leaf in keyed),
                autocast_state())
         program = self._programs.get(key)
+        guard = program.captured.guard if program is not None else None
+        if guard is not None and not guard.holds(leaves):  # a data-dependent value changed
+            program = None
+            recaptured(stats, guard, type(self.module).__name__)
         if program is None:
             captured = capture(self.module, args, kwargs)
-            program = self._programs[key] = Program(self.module, captured)
+            program = self._programs[key] = Program(self.module, captured, self._long_lived)
             stats.compiles += 1
             stats.capture_seconds += captured.seconds
         else:

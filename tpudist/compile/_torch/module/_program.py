@@ -23,7 +23,7 @@ from tpudist.compile._torch.module._executables import Executables
 class Program:
     """One captured graph of `module` and its executables, called with torch's tensors."""
 
-    def __init__(self, module: torch.nn.Module, captured: Captured):
+    def __init__(self, module: torch.nn.Module, captured: Captured, long_lived: frozenset[int] = frozenset()):
         self.captured = captured
         # fresh executables per program, so that executables() counts this program's only
         self._executables = Executables(captured, self._check_staging)
@@ -31,7 +31,10 @@ class Program:
         self._resolve = [resolver(module, slot, captured) for slot in self._slots]
         self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
         # parameters and buffers the graph only reads cross once, as views (see ViewCache)
-        self._long_lived = [slot.kind in ("param", "buffer", "constant") and not slot.mutated for slot in self._slots]
+        # (and the inputs at `long_lived`: what dynamo passes from the module's parameters and buffers)
+        self._long_lived = [not slot.mutated and (slot.kind in ("param", "buffer", "constant")
+                                                  or slot.kind == "input" and slot.leaf in long_lived)
+                            for slot in self._slots]
         # inputs that are differentiated whenever the call's tensor there requires grad
         self._differentiable = tuple(i for i, slot in enumerate(self._slots)
                                      if slot.used and slot.kind in ("param", "input"))

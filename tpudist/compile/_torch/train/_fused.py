@@ -35,6 +35,7 @@ from tpudist.compile._torch.lowering._capture import autocast_state
 from tpudist.compile._torch.train._lazy import LazyScalar
 from tpudist.compile._torch.train._loader import DeviceBatch, batch_rows
 from tpudist.compile._torch._stats import CaptureStats
+from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch._sync import leaf_key
 from tpudist.compile._torch._placement import AXIS, Placement
 from tpudist.compile._torch.train._groups import ParamGroups
@@ -135,14 +136,27 @@ class TrainStep:
         same_structure = not self.groups.changed() or not self.groups.restructured()
         last = self._last
         if last is not None and keys == self._last_keys and flags == last.flags and spec == last.spec \
-                and autocast_state() == last.autocast and self.signals == last.signals and same_structure:
+                and autocast_state() == last.autocast and self.signals == last.signals and same_structure \
+                and not self._changed(last.program, leaves, batch):
             return self._run(last.program, leaves, isinstance(batch, DeviceBatch))  # the last step's signature
         key = (flags, spec, keys, autocast_state(), self.signals)
         program = self._programs.get(key)
+        if program is not None and self._changed(program, leaves, batch):
+            recaptured(self.stats, program.guard, type(self.model).__name__)
+            program = None
         if program is None or not same_structure:
             program = self._new_signature(key, spec, leaves, keys, rows)
         self._last, self._last_keys, self._last_rows = _Last(flags, spec, key[3], program, self.signals), keys, rows
         return self._run(program, leaves, isinstance(batch, DeviceBatch))
+
+    def _changed(self, program: Signature, leaves: list[Any], batch: Any) -> bool:
+        """Whether a data-dependent value `program` specialised on differs for this batch."""
+        if program.guard is None:
+            return False
+        if isinstance(batch, DeviceBatch):
+            raise TypeError(f"{type(self.model).__name__} computes shapes or branches from its inputs, checked on the "
+                            "host before each step; pass host batches, not a tpudist.device_loader's")
+        return not program.guard.holds(leaves, self.local_devices * self.accumulate_steps)
 
     def _run(self, program: Signature, leaves: list[Any], on_device: bool) -> LazyScalar:
         """One step of `program`, whose outputs this applies: the only writer of the step's state."""

@@ -43,6 +43,7 @@ class Signature:
         captured = capture(objective, (example,), {}, where=" (or train with tpudist.eager_step)",
                            torch_autograd=False)
         self.capture_seconds = captured.seconds
+        self.guard = captured.guard  # data-dependent values it specialised on (see lowering._observed)
         self.mirror, self.placement, self._on_compile = mirror, placement, on_compile
         self.plan = plan(captured, objective, layout)
         self.random = captured.has_random

@@ -5,6 +5,7 @@ from tpudist.compile._torch.lowering.ops import (  # noqa: F401  (imported for t
     collective,
     conv_pool,
     creation,
+    ctc,
     fft,
     floating,
     gamma,
