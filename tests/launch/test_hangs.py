@@ -43,8 +43,8 @@ JOB = textwrap.dedent("""
 
     def spin():
         x = 0
-        while True:
-            x += 1  # LINE:spin
+        # one line: a stack sample may land on the loop's jump back as well as on its body
+        while True: x += 1  # LINE:spin
 
     def deadlock():
         a, b = threading.Lock(), threading.Lock()
