@@ -167,25 +167,9 @@ def _zoo_names():
 
 @pytest.mark.parametrize("name", _zoo_names())
 def test_zoo_forward_and_gradients_match_eager(name):
-    from test_zoo import ZOO, as_double, as_float64, assert_as_accurate, build, make_batch, named_grads
-    model = build(name)
-    model.train()
-    eager, exact = copy.deepcopy(model), as_float64(model)
-    batch = make_batch(ZOO[name].kind, 1)
+    from test_zoo import check_forward_and_gradients
     before = tpudist.dynamo_stats()
-    out = torch.compile(model, backend="tpudist")(**batch)
-    want, want64 = eager(**batch), exact(**as_double(batch))
-    assert type(out) is type(want)
-    assert_as_accurate(f"{name} loss", out.loss, want.loss, want64.loss)
-    assert_as_accurate(f"{name} logits", out.logits, want.logits, want64.logits)
-    out.loss.backward()
-    want.loss.backward()
-    want64.loss.backward()
-    got, eager_grads, exact_grads = named_grads(model), named_grads(eager), named_grads(exact)
-    for pname, g in got.items():
-        assert (g is None) == (eager_grads[pname] is None), f"{name}: .grad of {pname} is {g}"
-        if g is not None:
-            assert_as_accurate(f"{name} grad {pname}", g, eager_grads[pname], exact_grads[pname])
+    check_forward_and_gradients(name, lambda model: torch.compile(model, backend="tpudist"))
     assert tpudist.dynamo_stats().graphs > before.graphs
 
 
