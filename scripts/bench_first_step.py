@@ -6,7 +6,9 @@
 Models: the zoo (tests/compile/test_zoo.py's ZOO: `compile_train_step(model, None, SGD)` on its
 batch), the hand-written JAX models (scripts/_jax_reference.py: `compile_train_step(model,
 cross_entropy, SGD)`, and `jax.jit`'s first call of the JAX version beside it) and gpt2 at 12
-layers (`gpt2@12`: the depth ratio 12/2 against the zoo's 2-layer gpt2). Each measurement runs in
+layers (`gpt2@12`: the depth ratio 12/2 against the zoo's 2-layer gpt2); a name ending in `+noscan`
+(`gpt2@12+noscan`) runs that model with every layer lowered on its own, the repeated-layer scan off
+(TPUDIST_SCAN_LAYERS=0), tpudist's rows only. Each measurement runs in
 a fresh process: "cold" with an empty persistent compilation cache (TPUDIST_CACHE_DIR, which it
 fills), "warm" with the cache the cold process filled; "inductor" is `torch.compile(model)`'s first
 forward + backward + optimizer step with an empty inductor cache. The warm process then times the
@@ -40,6 +42,7 @@ import _plots
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("mlp_small", "mlp_wide", "transformer", "resnet18")
 DEPTH = {"gpt2@12": ("gpt2", {"n_layer": 12})}  # name -> (zoo entry, config overrides)
+UNSCANNED = "+noscan"  # a model name ending in it runs with every layer lowered on its own (TPUDIST_SCAN_LAYERS=0)
 CHILD_TIMEOUT_S = 900  # one fresh process's deadline: a 12-layer first step on a loaded 2-core host
 EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
           "to_mlir": "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -60,7 +63,7 @@ def _zoo() -> Any:
 
 
 def all_models() -> list[str]:
-    return [*_zoo().ZOO, *REFERENCE, *DEPTH]
+    return [*_zoo().ZOO, *REFERENCE, *DEPTH, *(name + UNSCANNED for name in DEPTH)]
 
 
 # -- one fresh process ------------------------------------------------------------------------------
@@ -246,11 +249,16 @@ def spawn(kind: str, model: str, env: dict[str, str], threads: int | None, stead
 
 
 def measure(model: str, work: Path, inductor: bool, threads: int | None) -> dict[str, Any]:
-    cache = work / model.replace("@", "_")
+    cache = work / model.replace("@", "_").replace("+", "_")
     cache.mkdir(parents=True)
     env = {"TPUDIST_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-    row: dict[str, Any] = {"model": model, "cold": spawn("tpudist", model, env, threads),
-                           "warm": spawn("tpudist", model, env, threads, steady=True)}
+    name = model.removesuffix(UNSCANNED)
+    if name != model:
+        env["TPUDIST_SCAN_LAYERS"] = "0"
+    row: dict[str, Any] = {"model": model, "cold": spawn("tpudist", name, env, threads),
+                           "warm": spawn("tpudist", name, env, threads, steady=True)}
+    if name != model:
+        return row
     if model in REFERENCE:
         jax_env = {**env, "TPUDIST_CACHE_DIR": str(cache / "jax")}
         row["jax_cold"] = spawn("jax", model, jax_env, threads)

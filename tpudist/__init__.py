@@ -50,6 +50,8 @@ _EXPORTS = {
     "CollectiveStats": "tpudist.collectives",
     # compiled steps
     "dynamo_stats": "tpudist.compile",
+    "explain": "tpudist.compile",
+    "Explanation": "tpudist.compile",
     "compile_stats": "tpudist.compile",
     "CompileStats": "tpudist.compile",
     "ShardedEmbedding": "tpudist.compile",

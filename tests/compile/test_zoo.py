@@ -182,12 +182,13 @@ def as_double(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def assert_as_accurate(what: str, got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor) -> None:
     """`got` (compiled fp32) is as close to the float64 result as eager fp32 is, within a factor of 4,
-    plus what is rounding noise for either: 2e-6 of the result's size, and 1e-7 per element for
-    results that are zero but for rounding (a BatchNorm mean over a centred input)."""
+    plus what is rounding noise for either: 2e-6 of the result's size, and 2e-7 per element for
+    results that are zero but for rounding (a BatchNorm mean over a centred input, where eager fp32
+    lands at ~1e-7 per element and XLA, summing in another order, at 3-4e-7)."""
     assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
     got, eager, exact = (t.detach().double() for t in (got, eager, exact))
     error, floor = float((got - exact).norm()), float((eager - exact).norm())
-    noise = 2e-6 * float(exact.norm()) + 1e-7 * exact.numel() ** 0.5
+    noise = 2e-6 * float(exact.norm()) + 2e-7 * exact.numel() ** 0.5
     assert error <= 4 * floor + noise, (f"{what}: compiled is {error:.2e} from float64, eager fp32 "
                                         f"{floor:.2e} (norm of the result {float(exact.norm()):.2e})")
 

@@ -15,6 +15,8 @@ _EXPORTS = {
     "compile": "tpudist.compile._dispatch",
     "dynamo_stats": "tpudist.compile._torch.module._dynamo",
     "DynamoStats": "tpudist.compile._torch.module._dynamo",
+    "explain": "tpudist.compile._torch.module._explain",
+    "Explanation": "tpudist.compile._torch.module._explain",
     "compile_stats": "tpudist.compile._jax_step",
     "CompileStats": "tpudist.compile._jax_step",
     "CompiledStep": "tpudist.compile._jax_step",

@@ -75,7 +75,7 @@ def _autocast(state: tuple) -> Any:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
-            torch_autograd: bool = True) -> Captured:
+            torch_autograd: bool = True, check_ops: bool = True) -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
 
     `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
@@ -83,7 +83,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
 
     Raises CaptureError when torch.export cannot trace the forward or decompose it, and
     UnsupportedOpError (naming the op and its module path) when the graph holds an op the registry
-    cannot lower. `where` names the caller in messages (e.g. "tpudist.fit").
+    cannot lower. `where` names the caller in messages (e.g. "tpudist.fit"). `check_ops=False`
+    (tpudist.explain) returns the graph even when ops have no lowering, to list them all.
     """
     start = time.perf_counter()
     autocast = autocast_state()
@@ -132,7 +133,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
                 f"outside the compiled module{where}.") from exc
     program = _without_effect_tokens(program)
     graph = program.graph_module.graph
-    _check_ops(graph)
+    _check_ops(graph, check_ops)
     _prepare_functions(graph, where)
     template = flat.template()
     assert template is not None, "the traced forward did not run"
@@ -273,22 +274,32 @@ _STATIC_REWRITES = {
 }
 
 
-def _check_ops(graph: torch.fx.Graph) -> None:
-    missing: dict[str, list[str]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem or node.target in IGNORED_OPS:
-            continue
+def _check_ops(graph: torch.fx.Graph, check_ops: bool = True) -> None:
+    for node in _op_nodes(graph):
         if _has_symbolic_shape(node.meta.get("val")):
             # the first node whose shape depends on values is where the data-dependence starts
             raise CaptureError(_data_dependent_message(node))
-        if lookup(node.target) is None:
-            missing.setdefault(str(node.target), []).append(module_path(node))
+    missing = missing_ops(graph) if check_ops else {}
     if missing:
         (op, wheres), *rest = missing.items()
         message = unsupported_message(op, wheres[0])
         if rest:
             message += f" Also unsupported in this module: {', '.join(name for name, _ in rest)}."
         raise UnsupportedOpError(message)
+
+
+def missing_ops(graph: torch.fx.Graph) -> dict[str, list[str]]:
+    """Every op in `graph` with no lowering -> the module path of each of its nodes, in graph order."""
+    missing: dict[str, list[str]] = {}
+    for node in _op_nodes(graph):
+        if lookup(node.target) is None:
+            missing.setdefault(str(node.target), []).append(module_path(node))
+    return missing
+
+
+def _op_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [node for node in graph.nodes
+            if node.op == "call_function" and node.target is not operator.getitem and node.target not in IGNORED_OPS]
 
 
 def _data_dependent_message(node: torch.fx.Node) -> str:

@@ -19,6 +19,8 @@ from jax import lax
 
 from tpudist.compile._torch.lowering._captured import Captured, module_path
 from tpudist.compile._torch._convert import jax_dtype
+from tpudist.compile._torch.lowering._custom_grad import REMAT
+from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
 from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
 from tpudist.compile._torch.lowering.ops import linalg
 
@@ -35,7 +37,8 @@ def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any,
     tensor_placeholders = [n for n in placeholders if n not in literals]
     pieces = _sibling_pieces(nodes)
     positions = {node: i for i, node in enumerate(nodes)}
-    steps = _steps([n for n in nodes if n.op == "call_function"], positions)
+    calls = [n for n in nodes if n.op == "call_function"]
+    steps = _steps(calls, positions, find_scans(calls, min_layers()))
 
     def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
@@ -45,6 +48,8 @@ def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any,
             if isinstance(step, _Region):
                 env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
                     *[env[n] for n in step.inputs])))
+            elif isinstance(step, Scan):
+                _scan(step, env, pieces, key, positions)
             else:
                 _evaluate(step, env, {}, pieces, key, positions)
         output = next(n for n in nodes if n.op == "output")
@@ -82,20 +87,55 @@ class _Region:
         return region
 
 
-def _steps(nodes: list[torch.fx.Node], positions: dict) -> list[Any]:
-    """The graph's nodes in order, with each checkpointed region's nodes gathered into one _Region
-    where they can run as a unit (every input of the region computed before its first node)."""
-    from tpudist.compile._torch.lowering._custom_grad import REMAT
+def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict) -> None:
+    """A run of identical layers as one `lax.scan` (see _layers): layer 0's nodes are the body, each
+    layer's weights are stacked and scanned over, the hidden state is carried. Each layer draws its
+    random numbers from its own key (the graph's key folded with the layer's number past every node's
+    position), so no two layers' dropout masks repeat."""
+    body, starts = scan.body, list(scan.carried)
+    ends = [scan.carried[node] for node in starts]
+    stacked = list(scan.stacked)
+    rows = [jnp.stack([env[value] for value in scan.stacked[node]]) for node in stacked]
+    shared = {node: env[node] for node in scan.shared}
+
+    def layer(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
+        index, weights = x
+        local = dict(shared)
+        local.update(zip(starts, carry))
+        local.update(zip(stacked, weights))
+        layer_key = None if key is None else jax.random.fold_in(key, len(positions) + index)
+        splits: dict = {}
+        for node in body:
+            _evaluate(node, local, splits, pieces, layer_key, positions)
+        return tuple(local[body[k]] for k in ends), tuple(local[body[k]] for k in scan.outputs)
+
+    _, outputs = lax.scan(jax.checkpoint(layer) if scan.remat else layer, tuple(env[node] for node in starts),
+                          (jnp.arange(len(scan.layers)), rows))
+    for k, values in zip(scan.outputs, outputs):
+        for i, nodes in enumerate(scan.layers):
+            env[nodes[k]] = jax.tree_util.tree_map(lambda v, i=i: v[i], values)
+
+
+def _steps(nodes: list[torch.fx.Node], positions: dict, scans: list[Scan]) -> list[Any]:
+    """The graph's nodes in order, with each run of identical layers as one Scan (at its first node)
+    and each checkpointed region's nodes gathered into one _Region where they can run as a unit
+    (every input of the region computed before its first node)."""
+    in_scan = {node: scan for scan in scans for node in scan.members()}
     regions: dict[int, list[torch.fx.Node]] = {}
     for node in nodes:
         mark = (node.meta.get("custom") or {}).get(REMAT)
-        if mark is not None:
+        if mark is not None and node not in in_scan:
             regions.setdefault(mark, []).append(node)
     steps: list[Any] = []
     done: set[int] = set()
+    emitted: set[int] = set()
     for node in nodes:
         mark = (node.meta.get("custom") or {}).get(REMAT)
-        if mark is None:
+        if node in in_scan:
+            if id(in_scan[node]) not in emitted:
+                emitted.add(id(in_scan[node]))
+                steps.append(in_scan[node])
+        elif mark is None:
             steps.append(node)
         elif mark not in done:
             done.add(mark)
@@ -228,13 +268,13 @@ def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
     aten = torch.ops.aten
     if node.target is aten.bmm.default:
         weight = _broadcast_matrix(node.args[1])
-        if weight is not None:
+        if weight is not None and weight in env:
             return _conform(linalg.product(_read(node.args[0], env), env[weight]), node)
     elif node.target is aten.mm.default or (node.target is aten.addmm.default and not node.kwargs):
         matrix, other = (node.args[1], node.args[0]) if node.target is aten.mm.default else (node.args[2], node.args[1])
         weight = _transposed_matrix(matrix)
         a = _read(other, env)
-        if weight is not None and getattr(a, "ndim", 0) == 2:
+        if weight is not None and weight in env and getattr(a, "ndim", 0) == 2:
             product = linalg.contract_last(a, env[weight])
             if node.target is aten.addmm.default:
                 product = linalg.with_bias(_read(node.args[0], env), product)

@@ -34,6 +34,7 @@ from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch.lowering._capture import autocast_state
 from tpudist.compile._torch.train._lazy import LazyScalar
 from tpudist.compile._torch.train._loader import DeviceBatch, batch_rows
+from tpudist.compile._torch.train._memory import StepMemory, step_memory
 from tpudist.compile._torch._stats import CaptureStats
 from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch._sync import leaf_key
@@ -53,6 +54,10 @@ class TrainStepStats(CaptureStats):
 
     state_reloads: int = 0
     compile_seconds: float = 0.0
+
+    def compiled(self, seconds: float) -> None:
+        """Told by each signature when its executable compiles (its `on_compile`)."""
+        self.compile_seconds += seconds
 
 
 class TrainStep:
@@ -176,6 +181,10 @@ class TrainStep:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return LazyScalar(out.loss)
 
+    def memory(self) -> StepMemory:
+        """Bytes per device of the step's state, and XLA's estimate of the current executable's peak."""
+        return step_memory(self.mirror, self._last.program.executable if self._last is not None else None)
+
     def sync(self) -> None:
         """Brings the model's parameters and buffers and the optimizer's state up to date with the
         devices (`state_dict()`, eager calls and `load_state_dict()` do this by themselves)."""
@@ -245,14 +254,11 @@ class TrainStep:
         program = Signature(self._objective, tree_unflatten(examples, spec), layout=self.layout, mirror=self.mirror,
                             placement=self.placement, accumulate=self.accumulate_steps,
                             max_grad_norm=self.max_grad_norm, name=type(self.model).__name__,
-                            on_compile=self._compiled)
+                            on_compile=self.stats.compiled)
         self._programs[key] = program
         self.stats.capture_seconds += program.capture_seconds
         self.stats.compiles += 1
         return program
-
-    def _compiled(self, seconds: float) -> None:
-        self.stats.compile_seconds += seconds
 
 
 class _Last(NamedTuple):

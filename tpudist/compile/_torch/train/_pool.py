@@ -72,6 +72,13 @@ class StatePool:
             self._pool = packing.pack(flat, _concat)
         return EntryArrays(self._pool, [])
 
+    def held(self) -> tuple[list[jax.Array], Packing | None]:
+        """What the next step will take, without packing anything: the pool's buffers and its
+        packing, or (pool not current) the per-entry arrays in `flatten_state`'s order and None."""
+        if self.pooled and self._pool is not None:
+            return list(self._pool), self.packing
+        return flatten_state(*self._entries), None
+
     def stepped(self, params: list[jax.Array], states: list[tuple[jax.Array, ...]]) -> None:
         """A step's new state, in the form `step_arrays` gave it."""
         if self.pooled:

@@ -75,6 +75,11 @@ class Signature:
         self._staging = _staging(placement, example, self.plan.batch_leaves, placement.local_count * accumulate)
         mirror.register(self.plan.fixed, self.plan.updated)
 
+    @property
+    def executable(self) -> jax.stages.Compiled | None:
+        """The XLA executable the last call ran (None before the first call)."""
+        return self._executable
+
     def __call__(self, leaves: list[Any], on_device: bool, hyper: jax.Array, rng: jax.Array | None,
                  signal: jax.Array | None, call: int) -> StepOutputs:
         """Launches one step on the batch's `leaves` (device arrays if `on_device`) with the

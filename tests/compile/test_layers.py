@@ -1,0 +1,156 @@
+"""Repeated layers lowered as one `lax.scan` (tpudist/compile/_torch/lowering/_layers.py).
+
+A run of identical layers is compiled once as a scan body; these tests hold that it computes what
+eager torch computes (values, gradients, a fused training step, per-layer dropout), that runs that do
+not fit (a layer reading two layers back, layers that differ) are lowered node by node and still
+correct, and that `TPUDIST_SCAN_LAYERS` is read as documented.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tpudist
+from tpudist.compile._torch.lowering import _layers
+from tpudist.compile._torch.lowering._capture import capture
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, scale: float = 1.0):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, width)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * torch.tanh(self.fc(self.norm(x))) + bias
+
+
+class Stack(torch.nn.Module):
+    """`depth` blocks in a ModuleList; `skip` feeds each block the output of the block two back too."""
+
+    def __init__(self, depth: int, width: int = 8, skip: bool = False, scales: list[float] | None = None):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, width)
+        self.layers = torch.nn.ModuleList(Block(width, s) for s in (scales or [1.0] * depth))
+        self.head = torch.nn.Linear(width, 3)
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        bias = h.mean(dim=0, keepdim=True)  # one value every layer reads (shared)
+        before = h
+        for layer in self.layers:
+            h, before = layer(h + before if self.skip else h, bias), h
+        return self.head(h)
+
+
+def _scans(model: torch.nn.Module, *args) -> list[int]:
+    captured = capture(model, args, {})
+    calls = [n for n in captured.graph.nodes if n.op == "call_function"]
+    return [len(scan.layers) for scan in _layers.find_scans(calls, 2)]
+
+
+def _forward_and_grads(model: torch.nn.Module, compiled, x: torch.Tensor):
+    out = compiled(x)
+    out.square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), grads
+
+
+def _assert_matches_eager(model: torch.nn.Module, x: torch.Tensor) -> None:
+    eager = copy.deepcopy(model)
+    got, got_grads = _forward_and_grads(model, tpudist.compile(model), x)
+    want, want_grads = _forward_and_grads(eager, eager, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_identical_layers_scan_and_match_eager():
+    torch.manual_seed(0)
+    model, x = Stack(depth=5), torch.randn(6, 4)
+    assert _scans(model, x) == [5]
+    _assert_matches_eager(model, x)
+
+
+def test_layers_that_differ_or_read_two_back_are_lowered_one_by_one_and_match_eager():
+    torch.manual_seed(1)
+    x = torch.randn(6, 4)
+    skipping = Stack(depth=4, skip=True)  # block i reads block i-2's output: not a carry
+    assert _scans(skipping, x) == []
+    _assert_matches_eager(skipping, x)
+    # blocks 0-1 and 3-4 are identical, block 2 scales by another constant: two runs of two
+    mixed = Stack(depth=5, scales=[1.0, 1.0, 0.5, 1.0, 1.0])
+    assert _scans(mixed, x) == [2, 2]
+    _assert_matches_eager(mixed, x)
+
+
+def test_a_fused_training_step_over_scanned_layers_matches_torch_optim():
+    torch.manual_seed(2)
+    model = Stack(depth=4)
+    eager = copy.deepcopy(model)
+    loss_fn = torch.nn.functional.cross_entropy
+    step = tpudist.compile_train_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for i in range(3):
+        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+        loss = step((x, y))
+        eager_opt.zero_grad()
+        want = loss_fn(eager(x), y)
+        want.backward()
+        eager_opt.step()
+        torch.testing.assert_close(float(loss), want.item(), rtol=1e-5, atol=1e-6)
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class DropBlock(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.nn.functional.dropout(torch.ones_like(x), p=0.5, training=self.training)
+        return x + mask, mask
+
+
+class Drops(torch.nn.Module):
+    def __init__(self, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(DropBlock() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        masks = []
+        for layer in self.layers:
+            x, mask = layer(x)
+            masks.append(mask)
+        return x, masks
+
+
+def test_each_scanned_layer_draws_its_own_dropout_mask():
+    model, x = Drops(depth=4).train(), torch.zeros(64, 64)
+    assert _scans(model, x) == [4]
+    out, masks = tpudist.compile(model)(x)
+    for mask in masks:
+        assert set(mask.unique().tolist()) <= {0.0, 2.0}  # inverted dropout at p=0.5
+        assert 0.4 < float((mask > 0).float().mean()) < 0.6
+    for i in range(len(masks)):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), f"layers {j} and {i} drew the same dropout mask"
+    torch.testing.assert_close(out, sum(masks))
+
+
+def test_scan_layers_setting(monkeypatch):
+    torch.manual_seed(3)
+    model, x = Stack(depth=3), torch.randn(6, 4)
+    monkeypatch.setenv(_layers.MIN_LAYERS_ENV, "0")
+    _assert_matches_eager(model, x)  # every layer on its own
+    assert _layers.min_layers() == 0
+    monkeypatch.setenv(_layers.MIN_LAYERS_ENV, "4")
+    assert _layers.min_layers() == 4
+    for bad in ("1", "many"):
+        monkeypatch.setenv(_layers.MIN_LAYERS_ENV, bad)
+        with pytest.raises(ValueError, match=_layers.MIN_LAYERS_ENV):
+            _layers.min_layers()
