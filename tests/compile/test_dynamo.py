@@ -93,6 +93,23 @@ def test_forward_grads_and_optimizer_steps_match_eager():
         torch.testing.assert_close(compiled(x), eager(x), **TOL)   # eval mode: a recompile, same values
 
 
+def test_parameters_replaced_or_re_pointed_between_calls_are_seen():
+    """The parameters' views are reused while nothing about them changed; an in-place update, a new
+    tensor behind `p.data`, and a transposed view at the same address each give eager's values."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
+    compiled = torch.compile(model, backend="tpudist")
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)                                   # in place: the same storage
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+        model[2].weight.data = torch.randn(6, 6)                    # a new storage behind the same Parameter
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+        model[2].weight.data = model[2].weight.data.t()             # same address, other strides
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+
+
 def test_graph_breaks_train_exactly_as_eager_and_are_counted():
     torch.manual_seed(0)
     model = Branchy()

@@ -8,6 +8,7 @@ would have produced. Same-width tensors cross through DLPack, zero-copy on CPU.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import jax
@@ -72,6 +73,9 @@ def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 class ViewCache:
     """JAX views of long-lived tensors (parameters, buffers, constants), made once per storage.
 
@@ -83,6 +87,22 @@ class ViewCache:
 
     def __init__(self) -> None:
         self._views: dict[int, tuple[torch.Tensor, tuple, jax.Array]] = {}
+        self._last: tuple | None = None  # get_all's tensors, their keys and arrays, when all were views
+
+    def get_all(self, slots: list[int], tensors: list[torch.Tensor]) -> list[jax.Array]:
+        """`get` for many tensors at once. While they are the same tensors at the same data pointers,
+        sizes, strides and dtypes as last time, the same arrays, checked with C-level maps (~0.25 us
+        a tensor, against ~1.5 us for `get` one by one: dynamo passes every parameter on every call)."""
+        key = (list(map(torch.Tensor.data_ptr, tensors)), list(map(torch.Tensor.size, tensors)),
+               list(map(torch.Tensor.stride, tensors)), list(map(_DTYPE, tensors)))
+        last = self._last
+        if last is not None and last[1] == key and len(last[0]) == len(tensors) and all(
+                map(operator.is_, tensors, last[0])):
+            return last[2]
+        arrays = [self.get(slot, tensor) for slot, tensor in zip(slots, tensors)]
+        views = all(self._views.get(slot, (None, None, None))[2] is array for slot, array in zip(slots, arrays))
+        self._last = (list(tensors), key, arrays) if views else None
+        return arrays
 
     def get(self, slot: int, tensor: torch.Tensor) -> jax.Array:
         key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)

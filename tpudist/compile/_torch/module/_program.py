@@ -39,6 +39,8 @@ class Program:
         self._differentiable = tuple(i for i, slot in enumerate(self._slots)
                                      if slot.used and slot.kind in ("param", "input"))
         self._views = ViewCache()
+        self._long = [i for i, long in enumerate(self._long_lived) if long]
+        self._short = [i for i, long in enumerate(self._long_lived) if not long]
         self._writes_back = any(o.kind in ("buffer", "input") for o in captured.outputs)  # else all outputs are the user's
         self._mutated_inputs = [i for i, slot in enumerate(self._slots) if slot.kind == "input" and slot.mutated]
         # small CPU inputs: copied into reused device buffers (see InputStaging); None until the
@@ -66,9 +68,13 @@ class Program:
         staged = staging.acquire(tensors) if staging else None
         executables, first = self._executables, None
         try:
-            arrays = [staged[i] if staged is not None and i in staged
-                      else self._views.get(i, t) if self._long_lived[i] else to_jax(t, copy=slot.mutated)
-                      for i, (t, slot) in enumerate(zip(tensors, self._slots))]
+            arrays: list[Any] = [None] * len(tensors)
+            if self._long:  # parameters and buffers: the views made before, checked all at once
+                for i, array in zip(self._long, self._views.get_all(self._long, [tensors[i] for i in self._long])):
+                    arrays[i] = array
+            for i in self._short:
+                arrays[i] = (staged[i] if staged is not None and i in staged
+                             else to_jax(tensors[i], copy=self._slots[i].mutated))
             seed = _seed() if self.captured.has_random else np.uint32(0)
             outputs: list[Any] = [None] * len(self.captured.outputs)
             if diff and executables.floats:
