@@ -154,3 +154,27 @@ def test_scan_layers_setting(monkeypatch):
         monkeypatch.setenv(_layers.MIN_LAYERS_ENV, bad)
         with pytest.raises(ValueError, match=_layers.MIN_LAYERS_ENV):
             _layers.min_layers()
+
+
+def test_dynamo_graphs_scan_their_layers_too():
+    """A graph dynamo hands over has no submodules; its nodes' module paths are carried through the
+    capture, so its identical layers scan as in `tpudist.compile`, with eager's values and gradients."""
+    from tpudist.compile._torch.module._dynamo import backend
+    torch._dynamo.reset()
+    handed: list = []
+
+    def recording(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        handed.append((gm, tuple(example_inputs)))
+        return compiled
+
+    torch.manual_seed(5)
+    model, x = Stack(depth=4), torch.randn(6, 4)
+    eager = copy.deepcopy(model)
+    got, got_grads = _forward_and_grads(model, torch.compile(model, backend=recording), x)
+    want, want_grads = _forward_and_grads(eager, eager, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert [_scans(gm, *inputs) for gm, inputs in handed] == [[4]]
+    torch._dynamo.reset()

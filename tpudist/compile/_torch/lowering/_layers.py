@@ -25,7 +25,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,6 +71,41 @@ class Scan:
         return {node for layer in self.layers for node in layer}
 
 
+PATHS = "tpudist_module_paths"  # node.meta["custom"] key: the module paths a traced graph's node ran in
+_DYNAMO_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def module_paths(node: torch.fx.Node) -> list[str]:
+    """The module paths a node runs inside, outermost first: torch.export's `nn_module_stack`, or
+    for a graph dynamo traced, the paths `annotated` carried over."""
+    custom = (node.meta.get("custom") or {}).get(PATHS)
+    if custom:
+        return list(custom)
+    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if isinstance(path, str)]
+
+
+def annotated(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """A forward for a graph dynamo traced that runs its nodes one by one, each under its module paths
+    (`L['self'].layers[3]` -> `layers.3`) as a trace annotation. Exported, the graph has no submodules
+    to name its layers by; the annotation survives export and decomposition into every node it makes,
+    so `find_scans` sees the layers as in a module's own capture."""
+    paths = {}
+    for node in gm.graph.nodes:
+        found = tuple(_DYNAMO_INDEX.sub(r".\1", path).removeprefix("L['self']").removeprefix(".")
+                      for path, _ in (node.meta.get("nn_module_stack") or {}).values() if isinstance(path, str))
+        if found:
+            paths[node] = found
+
+    class Annotated(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node) -> Any:
+            if node not in paths:
+                return super().run_node(node)
+            with torch.fx.traceback.annotate({PATHS: paths[node]}):
+                return super().run_node(node)
+
+    return lambda *args: Annotated(gm).run(*args)
+
+
 def find_scans(nodes: list[torch.fx.Node], fewest: int) -> list[Scan]:
     """The runs of at least `fewest` identical layers among `nodes` (a graph's call_function nodes in
     order), outermost module lists first, each node in at most one run."""
@@ -79,8 +114,8 @@ def find_scans(nodes: list[torch.fx.Node], fewest: int) -> list[Scan]:
     positions = {node: i for i, node in enumerate(nodes)}
     children: dict[str, dict[int, list[torch.fx.Node]]] = {}
     for node in nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            found = _CHILD.match(path) if isinstance(path, str) else None
+        for path in module_paths(node):
+            found = _CHILD.match(path)
             if found:
                 children.setdefault(found.group(1), {}).setdefault(int(found.group(2)), []).append(node)
     scans: list[Scan] = []

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
+from tpudist.compile._torch.lowering._layers import annotated
 from tpudist.compile._torch.module._module import CompiledModule
 
 # torch.compile's modes: they choose Inductor's tuning and CUDA graphs; XLA compiles each graph one way
@@ -76,6 +77,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | Non
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     _keep_scalars_as_tensors(gm, placeholders)
     _checkpoints_as_torch_calls(gm)
+    gm.forward = annotated(gm)  # its nodes' module paths kept through export: identical layers scan
     state = frozenset(i for i, node in enumerate(placeholders) if _is_state(node))
     module = CompiledModule(gm, long_lived=state)
     _live.add(module)
