@@ -32,10 +32,55 @@ def import_buffer(buffer: Any, device: Any) -> Any | None:
     moved, a dtype DLPack cannot carry, an unaligned buffer); the caller then takes the public path
     (`jax.dlpack.from_dlpack` or `jax.device_put`, a copy).
     """
+    if not _settling:
+        _settle_at_exit()
     if tracer is not None:  # a host -> device crossing, named on the trace
         with tracer("tpudist.import_buffer", bytes=getattr(buffer, "nbytes", -1)):
             return _import_buffer(buffer, device)
     return _import_buffer(buffer, device)
+
+
+_settling = False  # the exit hook below is registered
+
+
+def _settle_at_exit() -> None:
+    """Registers, once, an exit hook that lets XLA finish with the buffers it imported.
+
+    An imported buffer keeps its torch tensor alive; the last reference may be dropped on an XLA
+    thread as an execution ends, and releasing a torch tensor takes the GIL. Once the interpreter
+    is finalizing, a thread that asks for the GIL is ended by `pthread_exit`, which C++ turns into
+    `std::terminate`: the process aborts (exit code 134, "terminate called without an active
+    exception") after the program finished (measured: 1 in 10 processes that exit right after a
+    12-layer model's step). The hook, which runs before finalization, collects garbage, waits for
+    every live array and gives the executions' clean-up a moment to run."""
+    global _settling
+    import atexit
+    _settling = True
+    atexit.register(_settle)
+
+
+SETTLE_S = 5.0  # the longest the exit hook waits for XLA (a collective whose peer is gone never ends)
+
+
+def _settle() -> None:
+    import gc
+    import threading
+    import time
+
+    import jax
+
+    def wait() -> None:
+        for array in jax.live_arrays():
+            try:
+                array.block_until_ready()
+            except Exception:  # noqa: BLE001 - a deleted or failed array: nothing left to wait for
+                pass
+
+    gc.collect()  # arrays in reference cycles: released now, while threads may still take the GIL
+    waiter = threading.Thread(target=wait, name="tpudist-exit-settle", daemon=True)
+    waiter.start()
+    waiter.join(SETTLE_S)
+    time.sleep(0.1)  # the executions' own clean-up runs on XLA's threads just after their outputs are ready
 
 
 def _import_buffer(buffer: Any, device: Any) -> Any | None:
