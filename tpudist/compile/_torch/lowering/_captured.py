@@ -80,16 +80,16 @@ class Captured:
 def module_path(node: torch.fx.Node) -> str:
     """Where a node comes from, e.g. "module 'encoder.0.attn' (MultiheadAttention)"."""
     stack = [(path, kind) for path, kind in (node.meta.get("nn_module_stack") or {}).values()
-             if _user_path(path) is not None]
+             if user_path(path) is not None]
     if not stack:
         return "the top-level forward"
     path, kind = stack[-1]
-    path = _user_path(path)
+    path = user_path(path)
     kind = kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
     return f"module '{path}' ({kind})" if path else f"the top-level forward ({kind})"
 
 
-def _user_path(path: str) -> str | None:
+def user_path(path: str) -> str | None:
     """A module path under the traced wrapper (FlatOutputs) as the user's module names it; None for
     the wrapper itself."""
     if path == FlatOutputs.PREFIX[:-1]:

@@ -55,6 +55,7 @@ class Scan:
     """A run of identical layers. `layers[i][k]` is layer i's k-th node; layer 0's nodes are the body."""
 
     layers: list[list[torch.fx.Node]]
+    container: str = ""  # the module list's path in the traced module (e.g. "traced.transformer.h")
     shared: list[torch.fx.Node] = field(default_factory=list)
     # layer 0's outside input -> each layer's node for it (stacked and scanned over)
     stacked: dict[torch.fx.Node, list[torch.fx.Node]] = field(default_factory=dict)
@@ -131,6 +132,7 @@ def find_scans(nodes: list[torch.fx.Node], fewest: int) -> list[Scan]:
             if end - start >= fewest:
                 scan = _classify(order[start:end], positions)
                 if scan is not None:
+                    scan.container = container
                     scans.append(scan)
                     taken |= scan.members()
             start = end

@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import operator
 import random
-import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -23,12 +22,10 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch.lowering._capture import capture, missing_ops
-from tpudist.compile._torch.lowering._captured import CaptureError
-from tpudist.compile._torch.lowering._layers import find_scans, min_layers
-from tpudist.compile._torch.lowering._outputs import FlatOutputs
+from tpudist.compile._torch.lowering._captured import CaptureError, user_path
+from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
 from tpudist.compile._torch.lowering._table import UnsupportedOpError
 
-_CHILD = re.compile(r"^(.*)\.(\d+)$")  # "transformer.h.3": child 3 of the module list "transformer.h"
 
 
 @dataclass
@@ -125,7 +122,7 @@ def _one_graph(report: Explanation, model: torch.nn.Module, args: tuple, kwargs:
     report.parameter_values = sum(p.numel() for p in parameters)
     report.buffers = len(list(model.buffers()))
     report.guards = _guards(captured.guard)
-    report.scans = [(_container(scan.layers), len(scan.layers)) for scan in find_scans(calls, min_layers())]
+    report.scans = [(_container(scan), len(scan.layers)) for scan in find_scans(calls, min_layers())]
     report.missing = missing_ops(captured.graph)
 
 
@@ -140,22 +137,9 @@ def _guards(guard: Any) -> list[str]:
     return list(dict.fromkeys(found))  # (torch asserts one branch in several forms)
 
 
-def _container(layers: list[list[torch.fx.Node]]) -> str:
-    """The module list a run of layers comes from (e.g. "transformer.h"), from torch.export's module stack."""
-    def children(layer: list[torch.fx.Node]) -> dict[str, str]:
-        found = {}
-        for path, _ in (layer[0].meta.get("nn_module_stack") or {}).values():
-            matched = _CHILD.match(path) if isinstance(path, str) else None
-            if matched:
-                found[matched.group(1)] = matched.group(2)
-        return found
-
-    first, second = children(layers[0]), children(layers[1])
-    lists = [path for path in first if path in second and first[path] != second[path]]
-    if not lists:
-        return "a module list"
-    path = min(lists, key=len)
-    return path.removeprefix(FlatOutputs.PREFIX) if path != FlatOutputs.PREFIX[:-1] else "the model"
+def _container(scan: Scan) -> str:
+    """The module list a run of layers comes from, as the user's model names it (e.g. "transformer.h")."""
+    return user_path(scan.container) or "the model"
 
 
 def _dynamo(report: Explanation, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
 if TYPE_CHECKING:
     from tpudist.compile._torch.train._device import DeviceState
@@ -156,10 +155,8 @@ def _per_device(arrays: Iterable[jax.Array], seen: set[int]) -> dict[int, int]:
         if id(array) in seen or array.is_deleted():
             continue
         seen.add(id(array))
-        itemsize = np.dtype(array.dtype).itemsize
         for shard in array.addressable_shards:
-            rows = [len(range(*index.indices(size))) for index, size in zip(shard.index, array.shape)]
-            out[shard.device.id] += math.prod(rows) * itemsize
+            out[shard.device.id] += shard.data.nbytes
     return dict(out)
 
 
