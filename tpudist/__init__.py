@@ -57,6 +57,8 @@ _EXPORTS = {
     "ShardedEmbedding": "tpudist.compile",
     "compile_train_step": "tpudist.compile",
     "TrainStep": "tpudist.compile",
+    "Sharding": "tpudist.compile",
+    "tp_plan": "tpudist.compile",
     "device_loader": "tpudist.compile",
     "DeviceBatch": "tpudist.compile",
     "LazyScalar": "tpudist.compile",

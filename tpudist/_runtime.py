@@ -28,6 +28,7 @@ _joined_distributed = False
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
 
 def _set_xla_flag(flag: str, value: object) -> None:
@@ -97,6 +98,11 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
                 _set_xla_flag(_DEVICE_COUNT_FLAG, job.cpu_devices)
         # XLA's CPU (gloo) collectives then fail after this long instead of waiting forever.
         _set_xla_flag(_COLLECTIVE_TIMEOUT_FLAG, math.ceil(job.collective_timeout))
+        if job.world_size > 1 and job.cpu_devices is not None and _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+            # XLA:CPU's concurrency-optimized scheduler let two devices of one process enter a
+            # program's collective-permutes and all-reduces in different orders; over gloo between
+            # processes that deadlocked a tensor-parallel step (docs/sharding.md, known issues)
+            _set_xla_flag(_SCHEDULER_FLAG, "false")
         _configure_jax(job)
         if job.world_size > 1:
             import jax

@@ -41,8 +41,11 @@ class Crashing:
             yield batch
 
 
+# RESUME_SHARDING=fsdp: the same run with every parameter and its moments split over the processes
+sharded = {"mesh": tpudist.mesh.make_mesh({"fsdp": -1}), "sharding": tpudist.Sharding(fsdp=True, min_bytes=0)} \
+    if os.environ.get("RESUME_SHARDING") == "fsdp" else {}
 history = tpudist.fit(model, Crashing(loader, kill_at), opt, F.cross_entropy, epochs=epochs, lr_scheduler=schedule,
-                      checkpoint_dir=directory, checkpoint_every=4, log=True)
+                      checkpoint_dir=directory, checkpoint_every=4, log=True, **sharded)
 if tpudist.process_index() == 0:
     digest = hashlib.sha256()
     for value in list(model.state_dict().values()) + [t for s in opt.state_dict()["state"].values() for t in s.values()]:

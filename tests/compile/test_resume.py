@@ -3,7 +3,6 @@ SIGTERM and started again, ends bit-identical to one that ran straight through (
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,8 +15,9 @@ JOB = Path(__file__).resolve().parent / "resume_job.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(*args: str, restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+def launch(*args: str, restarts: int = 0, timeout: float = 240, sharding: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpudist.xla_dist", "--local", "--nproc-per-host", "2",
+                           "--env", f"RESUME_SHARDING={sharding}",
                            "--max-restarts", str(restarts), "--", sys.executable, str(JOB), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -66,3 +66,13 @@ def test_sigterm_saves_at_an_agreed_step_and_a_new_job_resumes(straight, tmp_pat
     done = launch(str(ckpt), "-1", str(tmp_path / "out"), "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "out").read_text() == straight
+
+
+def test_a_sharded_run_killed_mid_epoch_restarts_and_ends_bit_identical(tmp_path):
+    """The same under FSDP: each process saves and restores only its own shards."""
+    straight = launch(str(tmp_path / "ckpt0"), "-1", str(tmp_path / "out0"), "2", sharding="fsdp")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    done = launch(str(tmp_path / "ckpt"), "24", str(tmp_path / "out"), "2", restarts=1, sharding="fsdp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "attempt 1 failed; restarting" in done.stderr
+    assert (tmp_path / "out").read_text() == (tmp_path / "out0").read_text()

@@ -23,6 +23,8 @@ _EXPORTS = {
     "ShardedEmbedding": "tpudist.compile._embedding",
     "compile_train_step": "tpudist.compile._torch.train._fused",
     "TrainStep": "tpudist.compile._torch.train._fused",
+    "Sharding": "tpudist.compile._torch.train._sharding",
+    "tp_plan": "tpudist.compile._torch.train._sharding",
     "device_loader": "tpudist.compile._torch.train._loader",
     "DeviceBatch": "tpudist.compile._torch.train._loader",
     "LazyScalar": "tpudist.compile._torch.train._lazy",

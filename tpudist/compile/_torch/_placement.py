@@ -23,6 +23,7 @@ from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.compile._torch._convert import _cpu_device, to_jax
 
 AXIS = "data"
+BATCH_AXES = (AXIS, "fsdp")  # a sharded step splits the batch over whichever of these its mesh has
 
 
 class Placement:
@@ -47,6 +48,11 @@ class Placement:
         # one device in all: a single-device array is what the executables take; assembling a
         # global array around it costs every call ~10 us more for nothing
         self.single = self.total == 1
+        self.spmd = False  # per-device (shard_map) steps; see SpmdPlacement
+
+    def param_split(self, entry: Any) -> bool:
+        """How a layout entry's parameter and optimizer state are laid out (`put`'s `split`)."""
+        return entry.sharded
 
     @property
     def local_count(self) -> int:
@@ -60,10 +66,7 @@ class Placement:
         crosses with `copy=True`."""
         if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
             return value
-        if not isinstance(value, torch.Tensor):
-            value = np.asarray(value)
-            dtype = jax.dtypes.canonicalize_dtype(value.dtype)
-            value = np.array(value, dtype, order="C") if copy else np.ascontiguousarray(value, dtype=dtype)
+        value = _host_array(value, copy)
         devices = self.devices
         if self.single:
             return _on_device(value, devices[0], copy)
@@ -83,6 +86,104 @@ class Placement:
         if not split or len(shards) == 1:
             return [shards[0].data]
         return [s.data for s in sorted(shards, key=lambda s: s.index[0].start or 0)]
+
+
+class SpmdPlacement:
+    """Global arrays of a mesh of any axes, for the sharded (global-view) fused step: the batch split
+    over the mesh's batch axes ("data" and "fsdp", whichever it has), the parameters and optimizer
+    state laid out by their `PartitionSpec`s (`specs`, by parameter id), the rest replicated.
+
+    Each process passes its own rows of the global batch: the rows of the batch shards its devices
+    hold, in order. Two processes may not hold the same batch shard (they would have to pass equal
+    rows), so an axis that spans processes must be a batch axis."""
+
+    spmd = True
+    single = False
+
+    def __init__(self, mesh: Any, specs: dict[int, P] | None = None):
+        me = jax.process_index()
+        self.mesh, self.specs = mesh, dict(specs or {})
+        self.total = mesh.devices.size
+        self.batch_axes = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
+        self.batch_spec = P(self.batch_axes) if self.batch_axes else P()
+        self.replicated = NamedSharding(mesh, P())
+        self.split = NamedSharding(mesh, self.batch_spec)
+        self.batch_shards = int(np.prod([mesh.shape[a] for a in self.batch_axes], dtype=int))
+        self.devices = [d for d in mesh.devices.flat if d.process_index == me]
+        index = {d: (s[0].start or 0) for d, s in self.split.devices_indices_map((self.batch_shards,)).items()}
+        owners: dict[int, set[int]] = {}
+        for d, k in index.items():
+            owners.setdefault(k, set()).add(d.process_index)
+        shared = {k: sorted(ps) for k, ps in owners.items() if len(ps) > 1}
+        if shared:
+            k, ps = next(iter(shared.items()))
+            raise ValueError(f"processes {ps} all hold batch shard {k} of mesh {dict(mesh.shape)}: the axes that span "
+                             f"processes must split the batch; put a 'data' or 'fsdp' axis across processes and "
+                             f"'model' inside them (tpudist.mesh.make_mesh({{'fsdp': -1, 'model': M}}))")
+        mine = sorted({index[d] for d in self.devices})
+        if mine != list(range(mine[0], mine[0] + len(mine))):
+            raise ValueError(f"rank {me}: this process's batch shards {mine} are not contiguous; build the mesh "
+                             "with tpudist.mesh.make_mesh, batch axes first")
+        self._first, self._index = mine[0], index
+        self.local_count = len(mine)  # this process's rows split into this many shards
+        self.cpu = all(d.platform == "cpu" for d in self.devices)
+
+    def param_split(self, entry: Any) -> P:
+        return self.specs.get(id(entry.param), P())
+
+    def put(self, value: Any, split: bool | P, copy: bool = False) -> jax.Array:
+        """This process's `value` as a global array: its rows of the batch (`split=True`), the
+        same on every device (False), or a full value laid out by a PartitionSpec (each device
+        takes its own block; nothing else crosses)."""
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            return value
+        value = _host_array(value, copy)
+        if split is True:
+            rows = value.shape[0] // self.local_count
+            pieces = [value[(self._index[d] - self._first) * rows:][:rows] for d in self.devices]
+            shape, sharding = (rows * self.batch_shards, *value.shape[1:]), self.split
+        elif split is False or not tuple(split):
+            pieces, shape, sharding = [value] * len(self.devices), tuple(value.shape), self.replicated
+        else:
+            shape, sharding = tuple(value.shape), NamedSharding(self.mesh, split)
+            blocks = sharding.addressable_devices_indices_map(shape)
+            pieces = [_contiguous(value[blocks[d]]) for d in self.devices]
+        shards = [_on_device(piece, device, copy) for piece, device in zip(pieces, self.devices)]
+        return assemble(shape, sharding, shards)
+
+    def local_blocks(self, array: jax.Array, split: bool | P) -> list[jax.Array]:
+        """The whole value of `array` on one of this process's devices (a gather over the mesh,
+        collective: every process makes the same calls, for an array laid out by a PartitionSpec)."""
+        if split is not False and split is not True and tuple(split):
+            array = _gather(array.sharding.mesh)(array)
+        return [array.addressable_shards[0].data]
+
+
+@functools.lru_cache(maxsize=None)
+def _gather(mesh: Any) -> Any:
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+
+def _host_array(value: Any, copy: bool) -> Any:
+    """A torch tensor as it is; anything else as a C-ordered numpy array in JAX's dtype for it."""
+    if isinstance(value, torch.Tensor):
+        return value
+    value = np.asarray(value)
+    dtype = jax.dtypes.canonicalize_dtype(value.dtype)
+    return np.array(value, dtype, order="C") if copy else np.ascontiguousarray(value, dtype=dtype)
+
+
+def _contiguous(piece: Any) -> Any:
+    if isinstance(piece, torch.Tensor):
+        return piece.contiguous()
+    return np.ascontiguousarray(piece)
+
+
+def placement_for(mesh: Any, specs: dict[int, P] | None = None, spmd: bool = False) -> Placement | SpmdPlacement:
+    """The placement a fused step over `mesh` uses: per-device over a 1-D "data" mesh, else global."""
+    if not spmd and tuple(mesh.axis_names) == (AXIS,):
+        return Placement(mesh)
+    return SpmdPlacement(mesh, specs)
 
 
 STAGE_MAX_BYTES = 256 * 1024  # per process and leaf; larger inputs cross by import

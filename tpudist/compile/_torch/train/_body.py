@@ -54,42 +54,23 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
     (~150 us a step on the transformer benchmark)."""
     vary = (lambda x: lax.pcast(x, AXIS, to="varying")) if collective else (lambda x: x)
     mean = (lambda xs: lax.pmean(xs, AXIS)) if collective else (lambda xs: xs)
-    slots, trainable = plan.slots, plan.trainable
+    trainable = plan.trainable
     entries = layout.entries
     sharded = [entries[i].sharded for i in trainable]
     configs = [entries[i].config for i in trainable]
     groups = [entries[i].group for i in trainable]
     stepped = np.zeros(len(layout), np.float32)
     stepped[trainable] = 1.0  # whose step count advances
-    update_outputs, loss_output = plan.update_outputs, plan.loss_output
-
-    def objective(own, params, fixed, updated, batch, key):
-        values = dict(zip(trainable, own))
-        arrays = [values.get(i, params[i]) if kind == Feed.PARAM else fixed[i] if kind == Feed.FIXED
-                  else updated[i] if kind == Feed.UPDATED else batch[i] for kind, i in slots]
-        outs = run(arrays, key)
-        return outs[loss_output].reshape(()).astype(jnp.float32), [outs[i] for i in update_outputs]
-
-    gradient = jax.value_and_grad(objective, has_aux=True)
+    gradient = _gradient(plan, run)
 
     def accumulated(own, params, fixed, updated, batch, key):
         """Gradients summed over `accumulate` slices of the batch, run one after another (the
         updated BatchNorm statistics of one feed the next, as K eager forwards do), then averaged."""
         micro = [b.reshape((accumulate, b.shape[0] // accumulate) + b.shape[1:]) for b in batch]
         updated = [vary(u) for u in updated]  # replicated in, per device out
-
-        def one(carry, xs):
-            grads, loss, updated = carry
-            i, batch = xs
-            (l, new), g = gradient(own, params, fixed, updated, batch,
-                                   jax.random.fold_in(key, i) if random else None)
-            new = [n.astype(u.dtype) for n, u in zip(new, updated)]
-            return ([a + b for a, b in zip(grads, g)], loss + l, new), None
-
         zeros = [jnp.zeros_like(p) for p in own]  # of `own`: already per device
-        start = (zeros, vary(jnp.float32(0)), updated)
-        (grads, loss, updated), _ = lax.scan(one, start, (jnp.arange(accumulate), micro))
-        return (loss / accumulate, updated), [g / accumulate for g in grads]
+        return _accumulated(gradient, (own, params, fixed), (zeros, vary(jnp.float32(0)), updated), micro, key,
+                            accumulate, random)
 
     def body(params, fixed, updated, states, counts, hyper, batch, rng, signal):
         if random:
@@ -127,6 +108,40 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
     return body
 
 
+def _gradient(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
+    """value_and_grad of the graph's loss in the trained parameters `own`, with the updated buffers
+    as its auxiliary output: `gradient(own, params, fixed, updated, batch, key)`."""
+    slots, trainable = plan.slots, plan.trainable
+    update_outputs, loss_output = plan.update_outputs, plan.loss_output
+
+    def objective(own, params, fixed, updated, batch, key):
+        values = dict(zip(trainable, own))
+        arrays = [values.get(i, params[i]) if kind == Feed.PARAM else fixed[i] if kind == Feed.FIXED
+                  else updated[i] if kind == Feed.UPDATED else batch[i] for kind, i in slots]
+        outs = run(arrays, key)
+        return outs[loss_output].reshape(()).astype(jnp.float32), [outs[i] for i in update_outputs]
+
+    return jax.value_and_grad(objective, has_aux=True)
+
+
+def _accumulated(gradient: Callable[..., Any], state: tuple, start: tuple, micro: list[jax.Array], key: Any,
+                 accumulate: int, random: bool) -> tuple:
+    """Gradients summed over the `accumulate` micro-batches (`micro`: each leaf with a leading
+    micro-batch dim), one after another with each one's updated buffers feeding the next, then
+    averaged: ((loss, updated), grads). `start`: (zero gradients, zero loss, the buffers)."""
+    own, params, fixed = state
+
+    def one(carry, xs):
+        grads, loss, updated = carry
+        i, batch = xs
+        (l, new), g = gradient(own, params, fixed, updated, batch, jax.random.fold_in(key, i) if random else None)
+        new = [n.astype(u.dtype) for n, u in zip(new, updated)]
+        return ([a + b for a, b in zip(grads, g)], loss + l, new), None
+
+    (grads, loss, updated), _ = lax.scan(one, start, (jnp.arange(accumulate), micro))
+    return (loss / accumulate, updated), [g / accumulate for g in grads]
+
+
 def _clip(grads: list[jax.Array], sharded: list[bool], max_norm: float) -> list[jax.Array]:
     """torch.nn.utils.clip_grad_norm_ on the averaged gradients (sharded rows summed over devices)."""
     squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads]
@@ -135,3 +150,60 @@ def _clip(grads: list[jax.Array], sharded: list[bool], max_norm: float) -> list[
     total = jnp.sqrt(replicated + (lax.psum(split, AXIS) if any(sharded) else 0.0))
     coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
     return [(g * coef).astype(g.dtype) for g in grads]
+
+
+def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, specs: list[Any], batch_spec: Any,
+                     batch_shards: int, mesh: Any, accumulate: int, random: bool,
+                     max_norm: float | None) -> Callable[..., StepOutputs]:
+    """The sharded step (`SpmdPlacement`): the same contract as `make_body`'s, traced in the global
+    view for `jax.jit` with shardings. The loss is the objective of the whole global batch, as
+    eager torch computes it on one machine (BatchNorm statistics too); XLA's partitioner inserts the
+    parameter gathers and gradient reduce-scatters the layouts `specs` (per layout entry) imply.
+
+    Micro-batch i of `accumulate` holds the i-th slice of every batch shard's rows, so each stays
+    split over the same devices."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    trainable = plan.trainable
+    entries = layout.entries
+    configs = [entries[i].config for i in trainable]
+    groups = [entries[i].group for i in trainable]
+    grad_shardings = [NamedSharding(mesh, specs[i]) for i in trainable]
+    micro_sharding = NamedSharding(mesh, P(None, *batch_spec))
+    stepped = np.zeros(len(layout), np.float32)
+    stepped[trainable] = 1.0
+
+    gradient = _gradient(plan, run)
+
+    def accumulated(own, params, fixed, updated, batch, key):
+        def micro(b):
+            rows = b.shape[0] // (batch_shards * accumulate)
+            b = b.reshape((batch_shards, accumulate, rows) + b.shape[1:]).swapaxes(0, 1)
+            return lax.with_sharding_constraint(b.reshape((accumulate, batch_shards * rows) + b.shape[3:]),
+                                                micro_sharding)
+
+        start = ([jnp.zeros_like(p) for p in own], jnp.float32(0), list(updated))
+        return _accumulated(gradient, (own, params, fixed), start, [micro(b) for b in batch], key, accumulate,
+                            random)
+
+    def body(params, fixed, updated, states, counts, hyper, batch, rng, signal):
+        if random:
+            key, next_key = jax.random.split(jax.random.wrap_key_data(rng))
+            rng = jax.random.key_data(next_key)
+        else:
+            key = None
+        own = [params[i] for i in trainable]
+        grad_fn = gradient if accumulate == 1 else accumulated
+        (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
+        grads = [lax.with_sharding_constraint(g, s) for g, s in zip(grads, grad_shardings)]
+        if max_norm is not None:
+            grads = _clip(grads, [False] * len(grads), max_norm)
+        new_params, new_states = list(params), list(states)
+        for j, (i, cfg, g) in enumerate(zip(trainable, configs, groups)):
+            new_params[i], new_states[i] = _optim.update(cfg, params[i], grads[j], tuple(states[i]), hyper[g],
+                                                         counts[i])
+        if signal is not None:
+            signal = jnp.mean(signal)
+        new_updated = [n.astype(u.dtype) for n, u in zip(new_updated, updated)]
+        return StepOutputs(new_params, new_updated, new_states, counts + stepped, loss.reshape(1), rng, signal)
+
+    return body

@@ -64,6 +64,7 @@ class DeviceState:
         self.reloads = 0
         self._written: dict[str, tuple[int, int, int]] = {}  # key -> (id, data_ptr, version) when equal
         self._synced_counts: list[float] = []
+        self.preloaded: dict[int, jax.Array] = {}  # parameters placed before the first upload (_meta)
 
     params = property(lambda self: self.pool.entries().params, doc="Per layout entry, its parameter's array.")
     states = property(lambda self: self.pool.entries().states, doc="Per layout entry, its optimizer-state arrays.")
@@ -109,7 +110,8 @@ class DeviceState:
         for entry in self.layout.entries:
             p, cfg = entry.param, entry.config
             state = optimizer_state.get(p, {})
-            params.append(put(p, entry.sharded))
+            preloaded = self.preloaded.pop(id(p), None)
+            params.append(preloaded if preloaded is not None else put(p, self.placement.param_split(entry)))
             initial = None
             values = []
             for field in cfg.state:
@@ -117,7 +119,7 @@ class DeviceState:
                 if current is None:
                     initial = initial or _optim.initial_state(cfg, p)
                     current = initial[len(values)]
-                values.append(put(current, entry.sharded))
+                values.append(put(current, self.placement.param_split(entry)))
             states.append(tuple(values))
             counts.append(_optim.step_count(cfg, state))
         self.pool.set(params, states)
@@ -149,14 +151,14 @@ class DeviceState:
         for i, entry in enumerate(self.layout.entries):
             p, cfg = entry.param, entry.config
             if self._moved(f"param {i}", p):
-                params[i] = self._put(p, entry.sharded)
+                params[i] = self._put(p, self.placement.param_split(entry))
                 changed = True
             state = optimizer_state.get(p, {})
             values = list(states[i])
             for j, field in enumerate(cfg.state):
                 current = state.get(field)
                 if current is not None and self._moved(f"state {i} {field}", current):
-                    values[j] = self._put(current, entry.sharded)
+                    values[j] = self._put(current, self.placement.param_split(entry))
                     changed = True
             states[i] = tuple(values)
         if changed:

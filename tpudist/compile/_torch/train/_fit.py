@@ -151,12 +151,13 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
-                    optimizer: torch.optim.Optimizer, accumulate_steps: int) -> StepFn:
+                    optimizer: torch.optim.Optimizer, accumulate_steps: int, mesh: Any = None,
+                    sharding: Any = None) -> StepFn:
     steps = _FUSED.setdefault(model, {})
-    key = (id(loss_fn), id(optimizer), accumulate_steps)
+    key = (id(loss_fn), id(optimizer), accumulate_steps, id(mesh), repr(sharding))
     if key not in steps or steps[key][0] is not loss_fn or steps[key][1] is not optimizer:
         from tpudist.compile._torch.train._fused import compile_train_step
-        steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer,
+        steps[key] = (loss_fn, optimizer, compile_train_step(model, loss_fn, optimizer, mesh=mesh, sharding=sharding,
                                                              accumulate_steps=accumulate_steps))
     return steps[key][2]
 
@@ -230,7 +231,8 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
         shard: bool = True, accumulate_steps: int = 1, lr_scheduler: Any = None,
         checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
         log_dir: str | None = None, profile_steps: tuple[int, int] | None = None,
-        progress: bool | None = None, log: bool = True) -> list[dict[str, float]]:
+        progress: bool | None = None, log: bool = True, mesh: Any = None,
+        sharding: Any = None) -> list[dict[str, float]]:
     """Trains `model` data-parallel across every process; returns one record per epoch.
 
     Call it on every process. With `shard=True` every process iterates the same `loader` (same
@@ -249,7 +251,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     the model returns its loss (`output.loss`). `accumulate_steps=K` makes every K consecutive
     batches of a process one optimizer step (their gradients averaged, as `loss / K` then
     `backward()` K times in torch would); a last group of fewer than K batches is dropped.
-    `lr_scheduler.step()` runs once per optimizer step.
+    `lr_scheduler.step()` runs once per optimizer step. `mesh` and `sharding` go to
+    `compile_train_step` (FSDP and tensor parallelism, docs/sharding.md); checkpoints then hold each
+    process's shards.
 
     With `checkpoint_dir` (fused step only) the whole training state (model, optimizer, scheduler,
     epoch and position in the loader, RNG states) is saved there every `checkpoint_every`
@@ -288,9 +292,12 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if checkpoint_dir is not None and step_fn is not None:
         raise ValueError("fit(checkpoint_dir=...) checkpoints the fused step's device state; with step_fn= save "
                          "model.state_dict() and optimizer.state_dict() with tpudist.checkpoint.save yourself")
+    if step_fn is not None and (mesh is not None or sharding is not None):
+        raise ValueError("fit(mesh=, sharding=) configure the fused step; with step_fn= build your step with them")
     rank, count = process_index(), process_count()
     fused = step_fn is None
-    step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps)
+    step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps,
+                                                                mesh, sharding)
     total = _check_lengths(loader, shard)
     if total is not None:
         total //= accumulate_steps

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import torch
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 import tpudist._stacks as _stacks
@@ -34,11 +34,14 @@ from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch.lowering._capture import autocast_state
 from tpudist.compile._torch.train._lazy import LazyScalar
 from tpudist.compile._torch.train._loader import DeviceBatch, batch_rows
+from tpudist.compile._torch.train._meta import materialize, on_meta
 from tpudist.compile._torch.train._memory import StepMemory, step_memory
 from tpudist.compile._torch._stats import CaptureStats
 from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch._sync import leaf_key
-from tpudist.compile._torch._placement import AXIS, Placement
+from tpudist.compile._torch._custom_ops import SHARDED_ATTR
+from tpudist.compile._torch._placement import AXIS, Placement, SpmdPlacement
+from tpudist.compile._torch.train._sharding import Sharding, describe, resolve
 from tpudist.compile._torch.train._groups import ParamGroups
 from tpudist.compile._torch.train._plan import Objective
 from tpudist.compile._torch.train._signature import Signature
@@ -65,7 +68,7 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                  optimizer: torch.optim.Optimizer, *, mesh: Mesh | None = None,
-                 max_grad_norm: float | None = None, accumulate_steps: int = 1):
+                 max_grad_norm: float | None = None, accumulate_steps: int = 1, sharding: Any = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_train_step takes a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -80,16 +83,16 @@ class TrainStep:
         self.kind = _optim.kind_of(optimizer)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_grad_norm, self.accumulate_steps = max_grad_norm, accumulate_steps
-        if mesh is None:
-            from tpudist.mesh import make_mesh
-            mesh = make_mesh({AXIS: -1})
-        self.placement = Placement(mesh)
-        self.mesh = mesh
+        self.sharding = None if sharding is None else Sharding.of(sharding)
+        self.placement, self._specs, preloaded = _place(model, mesh, self.sharding)
+        self.mesh = self.placement.mesh
         self.local_devices = self.placement.local_count
         self.stats = TrainStepStats()
         self.groups = ParamGroups(optimizer, self.kind, self.placement)
         self.layout = self.groups.new_layout()
         self.mirror = Mirror(model, optimizer, self.layout, self.placement)
+        if preloaded:
+            self.mirror.start_from(preloaded)
         self._objective = Objective(model, loss_fn)
         self._submodules = list(model.modules())
         self._programs: dict[tuple, Signature] = {}
@@ -181,6 +184,11 @@ class TrainStep:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return LazyScalar(out.loss)
 
+    def shardings(self) -> dict[str, Any]:
+        """Each parameter's layout over the mesh (`PartitionSpec`, P() replicated) by name; its
+        optimizer state is laid out the same way."""
+        return describe(self.model, self._specs, P(AXIS) if self.sharding is None else None)
+
     def memory(self) -> StepMemory:
         """Bytes per device of the step's state, and XLA's estimate of the current executable's peak."""
         return step_memory(self.mirror, self._last.program.executable if self._last is not None else None)
@@ -245,12 +253,7 @@ class TrainStep:
             self.layout = self.groups.new_layout()
             self.mirror = Mirror(self.model, self.optimizer, self.layout, self.placement)
             self._programs.clear()
-        # what one device traces: its share of one micro-batch (a device batch's leaves are arrays:
-        # stand-in tensors of their shape and dtype)
-        device_rows = rows // (self.local_devices * self.accumulate_steps)
-        examples = [leaf[:device_rows] if isinstance(leaf, torch.Tensor)
-                    else torch.zeros((device_rows, *k[0][1:]), dtype=k[1], device=k[2]) if isinstance(leaf, jax.Array)
-                    else leaf for leaf, k in zip(leaves, keys)]
+        examples = _examples(leaves, keys, rows // (self.local_devices * self.accumulate_steps), self.placement)
         program = Signature(self._objective, tree_unflatten(examples, spec), layout=self.layout, mirror=self.mirror,
                             placement=self.placement, accumulate=self.accumulate_steps,
                             max_grad_norm=self.max_grad_norm, name=type(self.model).__name__,
@@ -259,6 +262,57 @@ class TrainStep:
         self.stats.capture_seconds += program.capture_seconds
         self.stats.compiles += 1
         return program
+
+
+def _place(model: torch.nn.Module, mesh: Mesh | None,
+           sharding: Sharding | None) -> tuple[Placement | SpmdPlacement, dict, dict]:
+    """The step's placement over `mesh` (default: every device on one "data" axis, or on one "fsdp"
+    axis for FSDP), each parameter's layout, and the parameters a meta-device model was initialised
+    into (see _meta)."""
+    if mesh is None:
+        from tpudist.mesh import make_mesh
+        if sharding is not None and sharding.rules:
+            raise ValueError("a tensor-parallel plan needs a mesh with its axes: pass mesh=tpudist.mesh.make_mesh("
+                             "{'fsdp': -1, 'model': M}) (or {'data': -1, 'model': M})")
+        mesh = make_mesh({sharding.fsdp_axis if sharding and sharding.fsdp_axis else AXIS: -1})
+    if sharding is not None:
+        if any(getattr(p, SHARDED_ATTR, False) for p in model.parameters()):
+            raise NotImplementedError("the sharded fused step does not take tpudist.nn.ShardedEmbedding layers "
+                                      "yet (they split their rows by themselves): train it without sharding=, "
+                                      "or lay the embedding out with the plan (an nn.Embedding, 'rowwise')")
+        specs = resolve(sharding, model, mesh)
+        placement = SpmdPlacement(mesh, specs)
+        preloaded = {}
+        if on_meta(model):  # each module initialised straight into its shards (see _meta)
+            preloaded = materialize(model, lambda t, p: placement.put(t, specs.get(id(p), P()), copy=True))
+        return placement, specs, preloaded
+    if on_meta(model):
+        raise ValueError(f"{type(model).__name__} is on the meta device: initialising it into shards needs "
+                         "sharding= (e.g. 'fsdp'); for data parallelism build it on the CPU")
+    if tuple(mesh.axis_names) != (AXIS,):
+        raise ValueError(f"the fused step over a mesh with axes {tuple(mesh.axis_names)} needs sharding= (how to "
+                         "lay the parameters out: 'fsdp', a tensor-parallel plan, tpudist.Sharding(...)); "
+                         f"without it the step is data-parallel over a 1-D {AXIS!r} mesh")
+    return Placement(mesh), {}, {}
+
+
+def _examples(leaves: list[Any], keys: tuple, device_rows: int, placement: Any) -> list[Any]:
+    """What a signature traces: one device's share of one micro-batch, or in the global view every
+    batch shard's (this process's rows, repeated); a device batch's arrays become stand-in tensors
+    of their shape and dtype."""
+    if placement.spmd:
+        device_rows, leaves = device_rows * placement.batch_shards, [
+            _tiled(leaf, device_rows, placement.batch_shards) for leaf in leaves]
+    return [leaf[:device_rows] if isinstance(leaf, torch.Tensor)
+            else torch.zeros((device_rows, *k[0][1:]), dtype=k[1], device=k[2]) if isinstance(leaf, jax.Array)
+            else leaf for leaf, k in zip(leaves, keys)]
+
+
+def _tiled(leaf: Any, rows: int, times: int) -> Any:
+    """A stand-in for the global micro-batch: this process's first `rows` rows, `times` times."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    return leaf[:rows].repeat(times, *([1] * (leaf.dim() - 1)))
 
 
 class _Last(NamedTuple):
@@ -288,7 +342,8 @@ _TUPLE_SPECS: dict[int, TreeSpec] = {}
 
 def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                        optimizer: torch.optim.Optimizer, *, mesh: Mesh | None = None,
-                       max_grad_norm: float | None = None, accumulate_steps: int = 1) -> TrainStep:
+                       max_grad_norm: float | None = None, accumulate_steps: int = 1,
+                       sharding: Any = None) -> TrainStep:
     """The fused data-parallel step: forward, backward, the gradient all-reduce and the optimizer
     update in ONE XLA executable. Returns `step(batch) -> loss`; `fit` uses it by default.
 
@@ -322,8 +377,16 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
     `torch.manual_seed` before it makes the run reproducible). `torch.autocast` around a call is
     honoured: the step is captured inside the same autocast (bf16 matmuls, fp32 parameters).
 
-    `tpudist.nn.ShardedEmbedding` layers train inside the step: their lookups become in-graph
-    collectives. A new batch shape, train/eval mode or autocast setting compiles once more (`step.stats`).
+    `sharding=` shards the parameters and optimizer state over `mesh` (models bigger than one device;
+    docs/sharding.md): "fsdp" (ZeRO-3 over the mesh's "fsdp" axis), a tensor-parallel preset
+    ("llama", "gpt2") or plan ({"*.q_proj": "colwise", "*.lm_head.weight": PartitionSpec("model",
+    None)}), or `tpudist.Sharding(fsdp=True, tp="llama")` on a 2-D mesh. The step is then compiled in
+    the global view (XLA's SPMD partitioner): the loss is the global batch's, as eager torch gives on
+    one machine, BatchNorm statistics are the global batch's, and `state_dict()` gathers full tensors
+    (a collective: every process reads it). `step.shardings()` says where each parameter went.
+
+    `tpudist.nn.ShardedEmbedding` layers train inside the data-parallel step: their lookups become
+    in-graph collectives. A new batch shape, train/eval mode or autocast setting compiles once more (`step.stats`).
 
         step = tpudist.compile_train_step(model, F.cross_entropy, torch.optim.AdamW(model.parameters()))
         loss = step((x_local, y_local))
@@ -331,4 +394,4 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
         loss = step({"input_ids": ids, "attention_mask": mask, "labels": labels})
     """
     return TrainStep(model, loss_fn, optimizer, mesh=mesh, max_grad_norm=max_grad_norm,
-                     accumulate_steps=accumulate_steps)
+                     accumulate_steps=accumulate_steps, sharding=sharding)

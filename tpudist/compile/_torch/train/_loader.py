@@ -169,11 +169,11 @@ def device_loader(loader: Iterable[Any], *, mesh: "Mesh | None" = None, depth: i
         for batch in tpudist.device_loader(loader):
             loss = step(batch)
     """
-    from tpudist.compile._torch._placement import AXIS, Placement
+    from tpudist.compile._torch._placement import AXIS, placement_for
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth={depth!r} must be a positive int")
     if mesh is None:
         from tpudist.mesh import make_mesh
         mesh = make_mesh({AXIS: -1})
-    placement = Placement(mesh)
+    placement = placement_for(mesh)
     return _Prefetch(loader, placement, placement.local_count, depth)

@@ -22,7 +22,7 @@ from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch.lowering._capture import capture
 from tpudist.compile._torch.lowering._lower import lower
-from tpudist.compile._torch.train._body import StepOutputs, make_body
+from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
 from tpudist.compile._torch.train._pool import StatePool, flatten_state, unflatten_state
 from tpudist.compile._torch.train._state import Mirror
@@ -48,20 +48,36 @@ class Signature:
         self.plan = plan(captured, objective, layout)
         self.random = captured.has_random
         devices = placement.mesh.devices.size
-        collective = _averages(devices, layout)
-        body = make_body(self.plan, layout, lower(captured), devices=devices, accumulate=accumulate,
-                         random=self.random, max_norm=max_grad_norm, collective=collective)
-        if mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
-            body = _pooled(body, mirror.pool)
-            param_specs, state_specs = P(), P()
+        if placement.spmd:  # sharded: one global-view program, laid out by the parameters' specs
+            if self.guard is not None:
+                raise NotImplementedError(
+                    f"{type(objective.model).__name__} computes shapes or branches from its inputs (see "
+                    "tpudist.explain); the sharded fused step does not specialise on them yet: train it "
+                    "data-parallel (no sharding=) or make those values static")
+            param_specs = [placement.param_split(e) for e in layout.entries]
+            body = make_global_body(self.plan, layout, lower(captured), specs=param_specs,
+                                    batch_spec=placement.batch_spec, batch_shards=placement.batch_shards,
+                                    mesh=placement.mesh, accumulate=accumulate, random=self.random,
+                                    max_norm=max_grad_norm)
+            split = placement.batch_spec
+            loss_spec, per_device = P(), False
         else:
-            param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
-            state_specs = [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
-        split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
+            collective = _averages(devices, layout)
+            body = make_body(self.plan, layout, lower(captured), devices=devices, accumulate=accumulate,
+                             random=self.random, max_norm=max_grad_norm, collective=collective)
+            if mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
+                body = _pooled(body, mirror.pool)
+                param_specs = P()
+            else:
+                param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
+            split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
+            loss_spec, per_device = P(AXIS), True
+        state_specs = P() if mirror.pool.pooled else \
+            [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
         in_specs = (param_specs, P(), P(), state_specs, P(), P(), split, P(), split)
-        out_specs = StepOutputs(param_specs, P(), state_specs, P(), P(AXIS), P(), P())
+        out_specs = StepOutputs(param_specs, P(), state_specs, P(), loss_spec, P(), P())
         self.step = compile_jax(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
-                                per_device=True, donate_argnums=(0, 2, 3, 4), name=f"train step ({name})")
+                                per_device=per_device, donate_argnums=(0, 2, 3, 4), name=f"train step ({name})")
         self._serialize = self.step._serialize
         self._span_name = f"tpudist.torch_step[{name}]"
         self._executable: jax.stages.Compiled | None = None
@@ -72,7 +88,8 @@ class Signature:
         self.updated_keys = [key for key, _ in self.plan.updated]
         self._generation = -1
         self._batches: tuple[list[jax.Array] | None, list[jax.Array] | None] = (None, None)
-        self._staging = _staging(placement, example, self.plan.batch_leaves, placement.local_count * accumulate)
+        shards = placement.batch_shards if placement.spmd else 1  # the example is the global micro-batch
+        self._staging = _staging(placement, example, self.plan.batch_leaves, placement.local_count * accumulate, shards)
         mirror.register(self.plan.fixed, self.plan.updated)
 
     @property
@@ -124,15 +141,17 @@ class Signature:
         return out
 
 
-def _staging(placement: Placement, example: Any, batch_leaves: list[int], rows: int) -> Staging | None:
+def _staging(placement: Placement, example: Any, batch_leaves: list[int], rows: int,
+             shards: int = 1) -> Staging | None:
     """Reused device buffers the batch tensors are copied into (small batch tensors on a CPU mesh,
-    see Staging), or None where the batch crosses as it is."""
+    see Staging), or None where the batch crosses as it is: this process's batch is `rows` times
+    one batch shard's share of the example."""
     leaves = torch.utils._pytree.tree_leaves(example)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     examples = [tensors[i] for i in batch_leaves] if len(tensors) == len(leaves) else []
     if not examples or not all(Staging.fits(placement, t) for t in examples):
         return None
-    full = [t.new_zeros((t.shape[0] * rows, *t.shape[1:])) for t in examples]
+    full = [t.new_zeros((t.shape[0] // shards * rows, *t.shape[1:])) for t in examples]
     try:
         return Staging(placement, full, sets=RUN_AHEAD)
     except RuntimeError:  # this platform copies host memory on import: no reuse possible

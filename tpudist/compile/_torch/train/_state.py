@@ -36,6 +36,7 @@ from tpudist._buffers import torch_view
 from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch import _sync
 from tpudist.compile._torch.train._device import DeviceState, crossings
+from tpudist.compile._torch.train._meta import hollow
 
 if TYPE_CHECKING:
     from tpudist.compile._torch._placement import Placement
@@ -91,6 +92,13 @@ class Mirror(DeviceState):
         elif self.torch_current:
             self._upload_changed()
 
+    def start_from(self, arrays: dict[int, jax.Array]) -> None:
+        """Starts from parameters already on the devices (by `id`; a meta-device model's, see
+        `_meta`): their values live there only, so torch's doors read them from the devices."""
+        self.preloaded = arrays
+        self.prepare()
+        self.torch_current = False
+
     # -- torch's view ----------------------------------------------------------------------------
 
     def sync(self) -> None:
@@ -109,12 +117,16 @@ class Mirror(DeviceState):
         with torch.no_grad():
             for i, entry in enumerate(self.layout.entries):
                 p, cfg = entry.param, entry.config
-                _write(p.data, self._host(self.params[i], entry.sharded))
+                value = self._host(self.params[i], self.placement.param_split(entry))
+                if hollow(p):  # initialised on the devices only (_meta): torch gets its own tensor now
+                    p.data = _fresh(value, p.dtype)
+                else:
+                    _write(p.data, value)
                 if not cfg.state or (cfg.kind == _optim.OptimizerKind.SGD and counts[i] == 0):
                     continue  # torch keeps no state for it (yet)
                 state = optimizer_state[p]
                 for field, array in zip(cfg.state, self.states[i]):
-                    value = self._host(array, entry.sharded)
+                    value = self._host(array, self.placement.param_split(entry))
                     if isinstance(state.get(field), torch.Tensor) and state[field].shape == p.shape:
                         _write(state[field], value)
                     else:
