@@ -12,6 +12,7 @@ eager torch and torch DDP, the sides interleaved run by run in the same process 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable
 
 import torch
@@ -191,6 +192,8 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                 inputs, target = ref.batch("bench", global_batch // count, torch.Generator().manual_seed(index))
                 opt = sgd(ddp.parameters())
                 fused = tpudist.compile_train_step(model, ref.loss, sgd(model.parameters()))
+                per_array_model = copy.deepcopy(model)  # the same step, one all-reduce per gradient array
+                per_array = tpudist.compile_train_step(per_array_model, ref.loss, sgd(per_array_model.parameters()))
                 batch_tuple = (*inputs, target)
 
                 def ddp_step() -> None:
@@ -199,11 +202,19 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                     opt.step()
 
                 _, first = _bench.first_call(lambda: ready(fused(batch_tuple)))
-                times = _bench.interleave({"ddp": ddp_step, "fused": _bench.Side(lambda: fused(batch_tuple), ready)},
+                os.environ["TPUDIST_GRAD_BUCKET_MB"] = "0"  # read when the step is built, at its first call
+                try:
+                    ready(per_array(batch_tuple))
+                finally:
+                    del os.environ["TPUDIST_GRAD_BUCKET_MB"]
+                times = _bench.interleave({"ddp": ddp_step, "fused": _bench.Side(lambda: fused(batch_tuple), ready),
+                                           "per_array": _bench.Side(lambda: per_array(batch_tuple), ready)},
                                           rounds=repeats, steps=steps, warmup=warmup, before_run=dist.barrier)
                 ddp_ms, fused_ms = times["ddp"].median * 1e3, times["fused"].median * 1e3
                 rows.append({"model": name, "global_batch": global_batch, "processes": count,
                              "ddp_ms": ddp_ms, "fused_ms": fused_ms, "speedup": ddp_ms / fused_ms,
+                             "per_array_ms": times["per_array"].median * 1e3,
+                             "bucketing_speedup": times["per_array"].median / times["fused"].median,
                              "fused_first_call_s": first})
     finally:
         dist.destroy_process_group()
@@ -225,8 +236,10 @@ STEP_COLUMNS = [("model", "model", "s"), ("batch", "batch", "d"), ("params", "pa
 STEP_TITLE = ("forward+backward (fb) and whole SGD-momentum train step, ms (median); ratio = eager / compiled "
               "(>1: compiled faster)")
 DP_COLUMNS = [("model", "model", "s"), ("global batch", "global_batch", "d"), ("procs", "processes", "d"),
-              ("DDP ms", "ddp_ms", ".2f"), ("fused ms", "fused_ms", ".2f"), ("ratio", "speedup", "x")]
-DP_TITLE = "data parallel: torch DDP (gloo) vs the fused XLA step, ms per step (median); ratio = DDP / fused"
+              ("DDP ms", "ddp_ms", ".2f"), ("fused ms", "fused_ms", ".2f"), ("ratio", "speedup", "x"),
+              ("fused, 1 all-reduce per array ms", "per_array_ms", ".2f"), ("per array / bucketed", "bucketing_speedup", "x")]
+DP_TITLE = ("data parallel: torch DDP (gloo) vs the fused XLA step (small gradients in buckets; and one all-reduce "
+            "per gradient array, TPUDIST_GRAD_BUCKET_MB=0), ms per step (median); ratio = DDP / fused")
 
 
 def draw_steps(rows: list[dict[str, Any]], png: Any) -> Any:

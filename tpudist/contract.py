@@ -61,6 +61,7 @@ RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
+GRAD_BUCKET_MB = "TPUDIST_GRAD_BUCKET_MB"  # the data-parallel step's bucket for small gradients, MiB (1; 0: one all-reduce per array)
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 
 # Slices (libtpu's names, as xpk / JobSet and Ray's TPU launcher set them). Unset: one slice.

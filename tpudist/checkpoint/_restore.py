@@ -46,13 +46,21 @@ def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
     with job.lock:
         job.restores += 1
         call = job.restores
-    result: tuple[int, Any] | None = None
+    shared = _runtime.kv_client() is not None
+    rank, world = (job.job.rank, job.job.world_size) if shared else (0, 1)
+    # Each process checks its share of the files, and every process hears every verdict before any
+    # reads: a process must not read (and fail on) a file another process found corrupt.
+    chosen: int | None = None
     error: BaseException | None = None
     try:
-        # Each process checks its share of the files; _agree tells every process of a failure.
-        shared = _runtime.kv_client() is not None
-        result = _restore_here(path, like, step, job.job.rank if shared else 0,
-                               job.job.world_size if shared else 1)
+        chosen = _check_here(path, step, rank, world)
+    except Exception as e:  # noqa: BLE001 - shared with the other processes, then raised
+        error = e
+    _agree(job, f"restore/{call}/verify", f"verifying {path}", error, timeout)
+    assert chosen is not None
+    result: tuple[int, Any] | None = None
+    try:
+        result = chosen, _read_here(path, like, chosen)
     except Exception as e:  # noqa: BLE001 - shared with the other processes, then raised
         error = e
     _agree(job, f"restore/{call}", f"restoring {path}", error, timeout)
@@ -60,7 +68,9 @@ def restore(directory: str | os.PathLike, like: Any, *, step: int | None = None,
     return result
 
 
-def _restore_here(path: str, like: Any, step: int | None, rank: int, world: int) -> tuple[int, Any]:
+def _check_here(path: str, step: int | None, rank: int, world: int) -> int:
+    """The step to read (the latest committed one unless `step`), once this process's share of its
+    files verifies."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory {path}")
     found = _steps(path)
@@ -71,13 +81,17 @@ def _restore_here(path: str, like: Any, step: int | None, rank: int, world: int)
     elif step not in found:
         raise FileNotFoundError(f"{path} has no committed step {step}; its steps are {found}"
                                 f"{_interrupted(path)}")
-    where = f"{path} step {step}"
-    item = _item(path, step)
     problem = _verified(path, step, rank, world)
     if problem is not None:
-        raise CheckpointError(f"{where} is incomplete or corrupt: {problem}. Nothing was loaded; "
+        raise CheckpointError(f"{path} step {step} is incomplete or corrupt: {problem}. Nothing was loaded; "
                               f"restore an earlier step (step=N; latest_step({path!r}, verify=True) "
                               f"names the newest that verifies) or delete step {step}")
+    return step
+
+
+def _read_here(path: str, like: Any, step: int) -> Any:
+    where = f"{path} step {step}"
+    item = _item(path, step)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         try:
@@ -94,7 +108,7 @@ def _restore_here(path: str, like: Any, step: int | None, rank: int, world: int)
             raise CheckpointError(f"{where} is incomplete or corrupt: {_reason(e)}") from e
     finally:
         handler.close()
-    return step, _tree.like_kinds(like, restored)
+    return _tree.like_kinds(like, restored)
 
 
 def _reason(e: BaseException) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpudist.compile._torch.lowering._shape_checks import check_shapes
 from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp, _observed
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
@@ -122,6 +123,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
                 f"compiled module{where}.") from exc
         _keep_stop_gradients(program.graph_module)
         _keep_attention(program.graph_module)
+        check_shapes(program.graph_module.graph)  # what torch's kernels refuse and its meta kernels let through
         try:
             with _observed.quiet() if guard is not None else contextlib.nullcontext():
                 program = program.run_decompositions(_decompositions())
