@@ -3,8 +3,6 @@ history, and a trace of the chosen steps holding the fused step's named span."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import torch
@@ -42,3 +40,22 @@ def test_fit_writes_the_history_as_scalars_and_traces_the_chosen_steps(tmp_path)
     names = [e.name for plane in data.planes for line in plane.lines for e in line.events]
     assert names.count("tpudist.torch_step[Sequential]") == 2, sorted(set(names))[:40]
     assert not _profile.profiling()
+
+
+def test_fit_announces_its_compile_and_prints_progress_lines_where_stderr_is_a_pipe(capfd, monkeypatch):
+    """Under the launcher stderr is a pipe: progress comes as whole lines (throttled; here every
+    step), the first call says it compiles, and each epoch's line and record hold its compile time."""
+    from tpudist.compile._torch.train import _fit_io
+    monkeypatch.setattr(_fit_io, "LINE_EVERY_S", 0.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+    history = tpudist.fit(model, torch.utils.data.DataLoader(data, batch_size=8),
+                          torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, epochs=2, progress=True)
+    err = capfd.readouterr().err
+    assert err.count("fit: compiling the step") == 1
+    assert "epoch 1/2: step 4/4, " in err and "examples/s" in err and "epoch 2/2: step 1/4, " in err
+    assert history[0]["compile_seconds"] > 0 and history[1]["compile_seconds"] == 0
+    assert f"of which compiling {history[0]['compile_seconds']:.2f} s" in err
+    assert history[0]["compile_seconds"] < history[0]["seconds"]

@@ -162,6 +162,12 @@ def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]
     return steps[key][2]
 
 
+def _compile_seconds(step: Any) -> float:
+    """What the fused step spent capturing and compiling so far (0 for other steps)."""
+    stats = getattr(step, "stats", None)
+    return stats.capture_seconds + stats.compile_seconds if hasattr(stats, "compile_seconds") else 0.0
+
+
 def _checked_step(step: StepFn, batch: Any, fused: bool) -> torch.Tensor:
     if not fused:
         return step(batch)
@@ -273,9 +279,12 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     (`TPUDIST_PROFILE_DIR`, `TPUDIST_PROFILE_STEPS`) and copies the traces back.
 
     Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
-    a terminal, and prints one line per epoch if `log`. Each record: {"epoch", "loss" (mean over
-    steps and processes of the local losses), "examples" (all processes), "seconds",
-    "examples_per_s"}. Example::
+    a terminal; where stderr is not a terminal (under the launcher) `progress=True` prints a
+    progress line at most every 10 s instead. With `log`, rank 0 says when the first call compiles
+    the fused step and prints one line per epoch, its compile time apart. Each record: {"epoch",
+    "loss" (mean over steps and processes of the local losses), "examples" (all processes),
+    "seconds", "examples_per_s", "compile_seconds" (capture and XLA compilation within the epoch)}.
+    Example::
 
         history = tpudist.fit(model, loader, torch.optim.Adam(model.parameters()), F.mse_loss, epochs=2)
         history[-1]["loss"]
@@ -306,8 +315,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     tracer = _fit_io.StepProfile.from_settings(log_dir, profile_steps)
     at = (saver.restore() if saver else None) or _resume.Progress()
     resumed = at.position > 0
-    bar = _fit_io.Progress(rank == 0 and (progress if progress is not None else sys.stderr.isatty()),
-                    log and rank == 0)
+    terminal = sys.stderr.isatty()
+    bar = _fit_io.Progress(rank == 0 and (progress if progress is not None else terminal), log and rank == 0,
+                           terminal)
     history: list[dict[str, float]] = []
     model.train()
     with _resume.stop_on_sigterm(step if saver else None) as stopping:
@@ -319,7 +329,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 bar.epoch(epoch, epochs, total)
                 losses: list[Any] = []  # on the devices until the epoch's end: no step waits for its loss
                 examples = 0
-                start = time.perf_counter()
+                start, compiled = time.perf_counter(), _compile_seconds(step)
                 batches: Iterator[Any] = _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps)
                 if resumed:  # the batches trained on before the restart
                     batches = itertools.islice(batches, at.position, None)
@@ -333,6 +343,8 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                             saver.resume_rng()  # the loader has drawn its shuffle: torch's state of the checkpoint
                             resumed = False
                         lrs.append(float(optimizer.param_groups[0]["lr"]))
+                        if fused and not step.stats.calls:
+                            bar.compiling()
                         losses.append(_checked_step(step, batch, fused=fused))
                         at.position += 1
                         at.global_step += 1
@@ -356,7 +368,8 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
                 loss_total, examples_total, steps_total = totals.tolist()
                 record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
-                          "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0}
+                          "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0,
+                          "compile_seconds": _compile_seconds(step) - compiled}
                 history.append(record)
                 if scalars is not None:
                     _fit_io.write_scalars(scalars, record, losses, lrs, at.global_step, step)

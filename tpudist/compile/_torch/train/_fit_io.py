@@ -5,42 +5,67 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from tpudist import contract
 
 
-class Progress:
-    """A rich progress bar on rank 0 when stderr is a terminal; otherwise nothing. Either way
-    rank 0 prints one line per epoch."""
+LINE_EVERY_S = 10.0  # a progress line at most this often where stderr is not a terminal (the launcher's pipe)
 
-    def __init__(self, enabled: bool, log: bool):
+
+class Progress:
+    """Rank 0's progress: a rich bar when stderr is a terminal, whole lines at most every
+    LINE_EVERY_S seconds when it is not (under the launcher, whose console prints each process's
+    lines); and, with `log`, one line per epoch."""
+
+    def __init__(self, enabled: bool, log: bool, terminal: bool = True):
         self.log = log
         self.bar = None
-        if enabled:
+        self.lines = enabled and not terminal
+        self._last_line = time.monotonic()
+        self._title, self._total, self._done = "", None, 0
+        if enabled and terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=True)
             self.bar.start()
 
     def epoch(self, epoch: int, epochs: int, total: int | None) -> None:
+        self._title, self._total, self._done = f"epoch {epoch}/{epochs}", total, 0
         if self.bar is not None:
-            self.task = self.bar.add_task(f"epoch {epoch}/{epochs}", total=total, info="")
+            self.task = self.bar.add_task(self._title, total=total, info="")
 
     def update(self, losses: list[Any], rate: float) -> None:
+        self._done += 1
+        if self.bar is None and not self.lines:
+            return
+        now = time.monotonic()
+        if self.bar is None and now - self._last_line < LINE_EVERY_S:
+            return
+        # the newest loss the devices have finished: progress never waits for a step
+        done = next((loss for loss in reversed(losses) if not hasattr(loss, "ready") or loss.ready()), None)
+        info = f"loss {float(done):.4g} (rank 0)  " if done is not None else ""
         if self.bar is not None:
-            # the newest loss the devices have finished: the bar never waits for a step
-            done = next((loss for loss in reversed(losses) if not hasattr(loss, "ready") or loss.ready()), None)
-            info = f"loss {float(done):.4g} (rank 0)  " if done is not None else ""
             self.bar.update(self.task, advance=1, info=f"{info}{rate:,.0f} examples/s")
+        else:
+            self._last_line = now
+            of = f"/{self._total}" if self._total is not None else ""
+            print(f"{self._title}: step {self._done}{of}, {info}{rate:,.0f} examples/s", file=sys.stderr, flush=True)
+
+    def compiling(self) -> None:
+        """Says that the first call compiles (seconds to minutes of a first step), before it does."""
+        if self.log:
+            print("fit: compiling the step (its first call; the steps after reuse it) ...", file=sys.stderr, flush=True)
 
     def end_epoch(self, record: dict[str, float], epochs: int) -> None:
         if self.bar is not None:
             self.bar.remove_task(self.task)
         if self.log:
+            compiling = f", of which compiling {record['compile_seconds']:.2f} s" if record["compile_seconds"] else ""
             print(f"epoch {record['epoch']}/{epochs}: loss {record['loss']:.6g}, "
                   f"{record['examples_per_s']:,.0f} examples/s ({record['examples']} examples in "
-                  f"{record['seconds']:.2f} s)", file=sys.stderr, flush=True)
+                  f"{record['seconds']:.2f} s{compiling})", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -18,6 +18,7 @@ from tpudist.compile._torch.lowering.ops import (  # noqa: F401  (imported for t
     norm,
     pointwise,
     random,
+    recurrent,
     resample,
     reduction,
     scan,
