@@ -179,11 +179,9 @@ def _contiguous(piece: Any) -> Any:
     return np.ascontiguousarray(piece)
 
 
-def placement_for(mesh: Any, specs: dict[int, P] | None = None, spmd: bool = False) -> Placement | SpmdPlacement:
-    """The placement a fused step over `mesh` uses: per-device over a 1-D "data" mesh, else global."""
-    if not spmd and tuple(mesh.axis_names) == (AXIS,):
-        return Placement(mesh)
-    return SpmdPlacement(mesh, specs)
+def placement_for(mesh: Any) -> Placement | SpmdPlacement:
+    """Where a fused step over `mesh` puts its batch: per device over a 1-D "data" mesh, else global."""
+    return Placement(mesh) if tuple(mesh.axis_names) == (AXIS,) else SpmdPlacement(mesh)
 
 
 STAGE_MAX_BYTES = 256 * 1024  # per process and leaf; larger inputs cross by import
