@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -175,12 +176,17 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                           warmup: int, threads: int) -> list[dict[str, Any]]:
     """In each spawned process: torch DDP (gloo) and the fused step on the same model, optimizer and
     share of the global batch, interleaved; each run starts at a barrier (no time-based settling:
-    every rank must run the same steps)."""
+    every rank must run the same steps). With more than one process, two more sides: the fused step
+    with one all-reduce per gradient array, and the same step over this process's own device only
+    (no gradient crosses processes: the compute floor, with every process busy at once)."""
+    import jax
+    import numpy as np
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method="env://")   # tpudist's contract sets MASTER_ADDR/PORT
     count = dist.get_world_size()
+    own_mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
     rows = []
     try:
         for name in models:
@@ -192,8 +198,6 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                 inputs, target = ref.batch("bench", global_batch // count, torch.Generator().manual_seed(index))
                 opt = sgd(ddp.parameters())
                 fused = tpudist.compile_train_step(model, ref.loss, sgd(model.parameters()))
-                per_array_model = copy.deepcopy(model)  # the same step, one all-reduce per gradient array
-                per_array = tpudist.compile_train_step(per_array_model, ref.loss, sgd(per_array_model.parameters()))
                 batch_tuple = (*inputs, target)
 
                 def ddp_step() -> None:
@@ -202,31 +206,64 @@ def _data_parallel_worker(index: int, models: list[str], batches: list[int], ste
                     opt.step()
 
                 _, first = _bench.first_call(lambda: ready(fused(batch_tuple)))
-                os.environ["TPUDIST_GRAD_BUCKET_MB"] = "0"  # read when the step is built, at its first call
-                try:
-                    ready(per_array(batch_tuple))
-                finally:
-                    del os.environ["TPUDIST_GRAD_BUCKET_MB"]
-                times = _bench.interleave({"ddp": ddp_step, "fused": _bench.Side(lambda: fused(batch_tuple), ready),
-                                           "per_array": _bench.Side(lambda: per_array(batch_tuple), ready)},
-                                          rounds=repeats, steps=steps, warmup=warmup, before_run=dist.barrier)
-                ddp_ms, fused_ms = times["ddp"].median * 1e3, times["fused"].median * 1e3
+                sides = {"ddp": ddp_step, "fused": _bench.Side(lambda: fused(batch_tuple), ready)}
+                if count > 1:
+                    per_array_model, own_model = copy.deepcopy(model), copy.deepcopy(model)
+                    per_array = tpudist.compile_train_step(per_array_model, ref.loss, sgd(per_array_model.parameters()))
+                    own = tpudist.compile_train_step(own_model, ref.loss, sgd(own_model.parameters()), mesh=own_mesh)
+                    os.environ["TPUDIST_GRAD_BUCKET_MB"] = "0"  # read when the step is built, at its first call
+                    try:
+                        ready(per_array(batch_tuple))
+                    finally:
+                        del os.environ["TPUDIST_GRAD_BUCKET_MB"]
+                    sides["per_array"] = _bench.Side(lambda: per_array(batch_tuple), ready)
+                    sides["own"] = _bench.Side(lambda: own(batch_tuple), ready)
+                    sides["all_reduce"] = _gradient_mean(model)
+                times = _bench.interleave(sides, rounds=repeats, steps=steps, warmup=warmup, before_run=dist.barrier)
+                ms = {side: t.median * 1e3 for side, t in times.items()}
                 rows.append({"model": name, "global_batch": global_batch, "processes": count,
-                             "ddp_ms": ddp_ms, "fused_ms": fused_ms, "speedup": ddp_ms / fused_ms,
-                             "per_array_ms": times["per_array"].median * 1e3,
-                             "bucketing_speedup": times["per_array"].median / times["fused"].median,
+                             "ddp_ms": ms["ddp"], "fused_ms": ms["fused"], "speedup": ms["ddp"] / ms["fused"],
+                             "per_array_ms": ms.get("per_array"), "own_device_ms": ms.get("own"),
+                             "all_reduce_ms": ms.get("all_reduce"),
+                             "floor_ms": ms["own"] + ms["all_reduce"] if count > 1 else None,
+                             "bucketing_speedup": ms["per_array"] / ms["fused"] if count > 1 else None,
                              "fused_first_call_s": first})
     finally:
         dist.destroy_process_group()
     return rows
 
 
+def _gradient_mean(model: torch.nn.Module) -> "_bench.Side":
+    """The fused step's gradient all-reduce alone (the same buckets, `_body.bucketed_mean`) on
+    arrays of the model's gradient shapes: what the step's communication costs by itself."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    from tpudist.compile._torch.train._body import bucket_bytes, bucketed_mean
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    grads = [jnp.zeros(tuple(p.shape), jnp.float32) for p in model.parameters() if p.requires_grad]
+    mean = tpudist.compile(lambda gs: bucketed_mean([jax.lax.pcast(g, "data", to="varying") for g in gs], "data",
+                                                    bucket_bytes()),
+                           mesh=mesh, per_device=True, in_specs=(P(),), out_specs=P("data"), name="gradient mean")
+    return _bench.Side(lambda: mean(grads), lambda out: jax.block_until_ready(out))
+
+
 def bench_data_parallel(args: Any) -> list[dict[str, Any]]:
-    """The `dp` rows: rank 0's timings (the processes run in lockstep)."""
-    results = tpudist.spawn(_data_parallel_worker, nprocs=args.processes, cpu_devices=1, timeout=3600,
-                            args=(args.models, args.batches, args.steps, args.repeats, args.warmup,
-                                  args.process_threads))
-    return results[0]
+    """The `dp` rows, for each process count: rank 0's timings (the processes run in lockstep), each
+    against the one-process row of the same model and global batch (when measured)."""
+    rows: list[dict[str, Any]] = []
+    for processes in args.processes:
+        rows += tpudist.spawn(_data_parallel_worker, nprocs=processes, cpu_devices=1, timeout=3600,
+                              args=(args.models, args.batches, args.steps, args.repeats, args.warmup,
+                                    args.process_threads or max(1, (os.cpu_count() or 1) // processes)))[0]
+        print(f"  {processes} process(es) done", file=sys.stderr, flush=True)
+    single = {(r["model"], r["global_batch"]): r for r in rows if r["processes"] == 1}
+    for r in rows:
+        one = single.get((r["model"], r["global_batch"]))
+        r["fused_vs_one"] = r["fused_ms"] / one["fused_ms"] if one else None
+        r["ddp_vs_one"] = r["ddp_ms"] / one["ddp_ms"] if one else None
+    return rows
 
 
 STEP_COLUMNS = [("model", "model", "s"), ("batch", "batch", "d"), ("params", "params", "d"),
@@ -236,10 +273,16 @@ STEP_COLUMNS = [("model", "model", "s"), ("batch", "batch", "d"), ("params", "pa
 STEP_TITLE = ("forward+backward (fb) and whole SGD-momentum train step, ms (median); ratio = eager / compiled "
               "(>1: compiled faster)")
 DP_COLUMNS = [("model", "model", "s"), ("global batch", "global_batch", "d"), ("procs", "processes", "d"),
-              ("DDP ms", "ddp_ms", ".2f"), ("fused ms", "fused_ms", ".2f"), ("ratio", "speedup", "x"),
+              ("DDP ms", "ddp_ms", ".2f"), ("fused ms", "fused_ms", ".2f"), ("DDP / fused", "speedup", "x"),
+              ("DDP / 1 proc", "ddp_vs_one", "x"), ("fused / 1 proc", "fused_vs_one", "x"),
+              ("fused, own device ms", "own_device_ms", ".2f"), ("all-reduce alone ms", "all_reduce_ms", ".2f"),
+              ("floor ms", "floor_ms", ".2f"),
               ("fused, 1 all-reduce per array ms", "per_array_ms", ".2f"), ("per array / bucketed", "bucketing_speedup", "x")]
-DP_TITLE = ("data parallel: torch DDP (gloo) vs the fused XLA step (small gradients in buckets; and one all-reduce "
-            "per gradient array, TPUDIST_GRAD_BUCKET_MB=0), ms per step (median); ratio = DDP / fused")
+DP_TITLE = ("data parallel at a fixed global batch: torch DDP (gloo) vs the fused XLA step, ms per step (median); "
+            "/ 1 proc = this step time over the one-process step's (1.0: no cost for the split); own device = the "
+            "fused step over each process's own device (no all-reduce: the compute floor with every process busy); all-reduce alone = the step's gradient "
+            "all-reduce by itself; floor = the two added; "
+            "1 all-reduce per array = TPUDIST_GRAD_BUCKET_MB=0")
 
 
 def draw_steps(rows: list[dict[str, Any]], png: Any) -> Any:

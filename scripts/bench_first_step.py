@@ -2,9 +2,10 @@
 
     python scripts/bench_first_step.py                       # every zoo and hand-written model
     python scripts/bench_first_step.py --models gpt2 mlp_small --no-inductor
+    python scripts/bench_first_step.py --models bart --optimizer adamw --no-inductor
 
 Models: the zoo (tests/compile/test_zoo.py's ZOO: `compile_train_step(model, None, SGD)` on its
-batch), the hand-written JAX models (scripts/_jax_reference.py: `compile_train_step(model,
+batch; `--optimizer adamw` for AdamW), the hand-written JAX models (scripts/_jax_reference.py: `compile_train_step(model,
 cross_entropy, SGD)`, and `jax.jit`'s first call of the JAX version beside it) and gpt2 at 12
 layers (`gpt2@12`: the depth ratio 12/2 against the zoo's 2-layer gpt2); a name ending in `+noscan`
 (`gpt2@12+noscan`) runs that model with every layer lowered on its own, the repeated-layer scan off
@@ -19,6 +20,7 @@ Phases, from timers that exist: torch.export and run_decompositions (timed by wr
 the rest of the capture (TrainStepStats.capture_seconds less both), JAX's own monitoring events
 (tracing to a jaxpr, which runs tpudist's op lowerings; jaxpr -> StableHLO; XLA's compile, a cache
 read when warm) and "other": the first call less all of those (planning, state upload, the run).
+"kernels" counts the fusions in the fused step's optimized HLO: what XLA compiled and each step launches.
 """
 
 from __future__ import annotations
@@ -138,9 +140,23 @@ def _call(model: Any, batch: Any, loss_fn: Any) -> Any:
     return model(**batch).loss
 
 
-def _eager_step(model: Any, batch: Any, loss_fn: Any) -> Any:
+OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.01}), "adamw": ("AdamW", {"lr": 1e-3})}
+
+
+def _optimizer(name: str, params: Any) -> Any:
     import torch
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cls, kwargs = OPTIMIZERS[name]
+    return getattr(torch.optim, cls)(params, **kwargs)
+
+
+def _kernels(step: Any) -> int | None:
+    """The fused step's XLA kernels: the fusions in its optimized HLO, loop bodies included."""
+    executable = step._last.program.executable if step._last is not None else None
+    return executable.as_text().count(" fusion(") if executable is not None else None
+
+
+def _eager_step(model: Any, batch: Any, loss_fn: Any, optimizer: str = "sgd") -> Any:
+    opt = _optimizer(optimizer, model.parameters())
 
     def step() -> float:
         opt.zero_grad()
@@ -151,30 +167,30 @@ def _eager_step(model: Any, batch: Any, loss_fn: Any) -> Any:
     return step
 
 
-def child_tpudist(name: str, steady: bool) -> dict[str, Any]:
-    import torch
+def child_tpudist(name: str, steady: bool, optimizer: str) -> dict[str, Any]:
     import tpudist
     tpudist.init()  # the persistent cache in TPUDIST_CACHE_DIR, as every tpudist program has it
     clock = _Clock()
     model, batch, loss_fn = _torch_side(name)
     eager_model, dynamo_model = copy.deepcopy(model), copy.deepcopy(model)
-    step = tpudist.compile_train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.01))
+    step = tpudist.compile_train_step(model, loss_fn, _optimizer(optimizer, model.parameters()))
     row = clock.first(lambda: float(step(batch)))
+    row["kernels"] = _kernels(step)
     capture = step.stats.capture_seconds
     row["capture_rest"] = max(0.0, capture - row["export"] - row["decompose"])
     row["tpudist_compile_s"] = step.stats.compile_seconds
     row["other"] = row["first_s"] - sum(row[p] for p in PHASES if p != "other")
     if steady:
-        row.update(_steady(step, batch, loss_fn, eager_model, dynamo_model))
+        row.update(_steady(step, batch, loss_fn, eager_model, dynamo_model, optimizer))
     return row
 
 
-def _steady(step: Any, batch: Any, loss_fn: Any, eager_model: Any, dynamo_model: Any) -> dict[str, Any]:
+def _steady(step: Any, batch: Any, loss_fn: Any, eager_model: Any, dynamo_model: Any, optimizer: str) -> dict[str, Any]:
     import torch
-    sides = {"fused": lambda: float(step(batch)), "eager": _eager_step(eager_model, batch, loss_fn)}
+    sides = {"fused": lambda: float(step(batch)), "eager": _eager_step(eager_model, batch, loss_fn, optimizer)}
     row: dict[str, Any] = {}
     if "tpudist" in torch._dynamo.list_backends():
-        dynamo = _eager_step(torch.compile(dynamo_model, backend="tpudist"), batch, loss_fn)
+        dynamo = _eager_step(torch.compile(dynamo_model, backend="tpudist"), batch, loss_fn, optimizer)
         try:
             row["dynamo_first_s"] = _bench.first_call(dynamo)[1]
             sides["dynamo"] = dynamo
@@ -205,10 +221,10 @@ def child_jax(name: str) -> dict[str, Any]:
     return clock.first(lambda: float(train(*held, x, y)[-1]))
 
 
-def child_inductor(name: str) -> dict[str, Any]:
+def child_inductor(name: str, optimizer: str) -> dict[str, Any]:
     import torch
     model, batch, loss_fn = _torch_side(name)
-    step = _eager_step(torch.compile(model), batch, loss_fn)
+    step = _eager_step(torch.compile(model), batch, loss_fn, optimizer)
     row = {"first_s": _bench.first_call(step)[1]}
     row["second_s"] = _bench.first_call(step)[1]
     return row
@@ -221,19 +237,21 @@ def child(args: argparse.Namespace) -> None:
         import torch
         torch.set_num_threads(args.torch_threads)
     if args.child == "tpudist":
-        row = child_tpudist(args.model, steady=args.steady)
+        row = child_tpudist(args.model, steady=args.steady, optimizer=args.optimizer)
     elif args.child == "jax":
         row = child_jax(args.model)
     else:
-        row = child_inductor(args.model)
+        row = child_inductor(args.model, args.optimizer)
     print("ROW " + json.dumps(row))
 
 
 # -- the parent: fresh processes, one table ---------------------------------------------------------
 
-def spawn(kind: str, model: str, env: dict[str, str], threads: int | None, steady: bool = False) -> dict[str, Any]:
+def spawn(kind: str, model: str, env: dict[str, str], threads: int | None, steady: bool = False,
+          optimizer: str = "sgd") -> dict[str, Any]:
     """One fresh process's row, or {"error": ...}; its wall time (imports included) as `process_s`."""
-    cmd = [sys.executable, __file__, "--child", kind, "--model", model] + (["--steady"] if steady else [])
+    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--optimizer", optimizer]
+    cmd += ["--steady"] if steady else []
     if threads:
         cmd += ["--torch-threads", str(threads)]
     start = time.perf_counter()
@@ -248,15 +266,15 @@ def spawn(kind: str, model: str, env: dict[str, str], threads: int | None, stead
     return {**json.loads(rows[-1]), "process_s": time.perf_counter() - start}
 
 
-def measure(model: str, work: Path, inductor: bool, threads: int | None) -> dict[str, Any]:
+def measure(model: str, work: Path, inductor: bool, threads: int | None, optimizer: str = "sgd") -> dict[str, Any]:
     cache = work / model.replace("@", "_").replace("+", "_")
     cache.mkdir(parents=True)
     env = {"TPUDIST_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     name = model.removesuffix(UNSCANNED)
     if name != model:
         env["TPUDIST_SCAN_LAYERS"] = "0"
-    row: dict[str, Any] = {"model": model, "cold": spawn("tpudist", name, env, threads),
-                           "warm": spawn("tpudist", name, env, threads, steady=True)}
+    row: dict[str, Any] = {"model": model, "cold": spawn("tpudist", name, env, threads, optimizer=optimizer),
+                           "warm": spawn("tpudist", name, env, threads, steady=True, optimizer=optimizer)}
     if name != model:
         return row
     if model in REFERENCE:
@@ -272,6 +290,7 @@ def flat(row: dict[str, Any]) -> dict[str, Any]:
     """One table line of a measured model: phases cold, totals warm, the others beside them."""
     cold, warm = row["cold"], row["warm"]
     out = {"model": row["model"], **{p: cold.get(p) for p in PHASES}, "cold_s": cold.get("first_s"),
+           "kernels": cold.get("kernels"),
            "warm_s": warm.get("first_s"), "warm_xla": warm.get("xla"), "hits": warm.get("cache_hits"),
            "jax_cold_s": row.get("jax_cold", {}).get("first_s"), "jax_warm_s": row.get("jax_warm", {}).get("first_s"),
            "inductor_s": row.get("inductor", {}).get("first_s"),
@@ -285,7 +304,8 @@ def flat(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-COLUMNS = [("model", "model", "s"), *[(p, p, ".2f") for p in PHASES], ("cold s", "cold_s", ".2f"),
+COLUMNS = [("model", "model", "s"), *[(p, p, ".2f") for p in PHASES], ("kernels", "kernels", "d"),
+           ("cold s", "cold_s", ".2f"),
            ("warm s", "warm_s", ".2f"), ("warm xla", "warm_xla", ".2f"), ("hits", "hits", ""),
            ("jax cold", "jax_cold_s", ".2f"), ("jax warm", "jax_warm_s", ".2f"),
            ("inductor", "inductor_s", ".2f"), ("cold/ind", "cold_over_inductor", "x"),
@@ -312,6 +332,9 @@ def main() -> None:
                         help="the models torch.compile(backend='inductor') runs for (default: all)")
     parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads in every process (default: "
                         "torch's own; eager torch's small ops suffer on an oversubscribed host)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                        help="the torch optimizer of the fused, eager, dynamo and inductor steps (default sgd; the "
+                        "hand-written JAX models keep theirs)")
     parser.add_argument("--child", choices=("tpudist", "jax", "inductor"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--steady", action="store_true", help=argparse.SUPPRESS)
@@ -324,10 +347,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="first_step_") as work:
         for model in models:
             inductor = not args.no_inductor and (args.inductor is None or model in args.inductor)
-            raw.append(measure(model, Path(work), inductor, args.torch_threads))
+            raw.append(measure(model, Path(work), inductor, args.torch_threads, args.optimizer))
             rows.append(flat(raw[-1]))
             print(_bench.table(rows[-1:], COLUMNS), flush=True)
-            out.write({"rows": rows, "raw": raw, "depth_12_over_2": depth_ratio(rows)})
+            out.write({"optimizer": args.optimizer, "rows": rows, "raw": raw, "depth_12_over_2": depth_ratio(rows)})
     print(_bench.table(rows, COLUMNS, title="first step (s): phases of the cold first call; steady step (ms)"))
     for r in rows:
         if r["error"]:

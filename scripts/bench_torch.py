@@ -83,9 +83,11 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--batches", nargs="+", type=int, default=batches)
         _bench.add_output_args(sub, "torch_" + mode.replace("-", "_"))
     dp = modes.choices["dp"]
-    dp.add_argument("--processes", type=int, default=2, help="processes of the data-parallel comparison")
-    dp.add_argument("--process-threads", type=int, default=1,
-                    help="torch threads per process (default 1: the processes share the cores)")
+    dp.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4],
+                    help="process counts of the data-parallel comparison, each at the same global batches")
+    dp.add_argument("--process-threads", type=int,
+                    help="torch threads per process (default: the cores over the processes, at least 1; one "
+                    "process gets them all, as XLA's step does)")
     return parser
 
 

@@ -59,6 +59,7 @@ COLLECTIVE_TIMEOUT = "TPUDIST_COLLECTIVE_TIMEOUT"  # seconds an eager collective
 CACHE_DIR = "TPUDIST_CACHE_DIR"  # persistent compilation cache directory ("off" disables it)
 RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under --max-restarts
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
+CONSOLE = "TPUDIST_CONSOLE"  # "tty": the launcher's console is a terminal (fit then shows progress lines)
 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
 GRAD_BUCKET_MB = "TPUDIST_GRAD_BUCKET_MB"  # the data-parallel step's bucket for small gradients, MiB (1; 0: one all-reduce per array)
@@ -140,7 +141,7 @@ ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
        CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID, SLICE_COORDINATOR, SLICE_PORT,
        PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT, DEBUG_DIR,
-       COORDINATOR_PORT, COORDINATOR_GATE)
+       COORDINATOR_PORT, COORDINATOR_GATE, CONSOLE)
 
 
 def process_defaults(*environs: Mapping[str, str]) -> dict[str, str]:

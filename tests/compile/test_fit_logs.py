@@ -59,3 +59,29 @@ def test_fit_announces_its_compile_and_prints_progress_lines_where_stderr_is_a_p
     assert history[0]["compile_seconds"] > 0 and history[1]["compile_seconds"] == 0
     assert f"of which compiling {history[0]['compile_seconds']:.2f} s" in err
     assert history[0]["compile_seconds"] < history[0]["seconds"]
+
+
+def test_progress_by_default_where_the_launchers_console_is_a_terminal(capfd, monkeypatch):
+    """stderr a pipe and TPUDIST_CONSOLE=tty (the launcher at a terminal): progress lines with no
+    `progress=` given, the first once the first step has run, then at most one every LINE_EVERY_S;
+    without it, or with progress=False, none."""
+    import time
+    from tpudist import contract
+    from tpudist.compile._torch.train import _fit_io
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    monkeypatch.setenv(contract.CONSOLE, "tty")
+    start = time.monotonic()
+    tpudist.fit(model, loader, opt, F.cross_entropy, epochs=2, log=False)
+    seconds = time.monotonic() - start
+    lines = [line for line in capfd.readouterr().err.splitlines() if ": step " in line]
+    assert lines[0].startswith("epoch 1/2: step 1/4, ") and lines[0].endswith(" examples/s"), lines
+    assert len(lines) <= 1 + seconds // _fit_io.LINE_EVERY_S, lines
+    tpudist.fit(model, loader, opt, F.cross_entropy, progress=False, log=False)
+    monkeypatch.delenv(contract.CONSOLE)
+    tpudist.fit(model, loader, opt, F.cross_entropy, log=False)
+    assert ": step " not in capfd.readouterr().err

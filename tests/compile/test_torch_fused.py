@@ -650,3 +650,52 @@ def test_small_batches_refilled_while_the_device_lags_train_as_in_eager_torch():
     want = eager_train(reference, torch.optim.SGD(reference.parameters(), lr=0.05), data)
     np.testing.assert_allclose([float(loss) for loss in losses], want, rtol=1e-5)
     assert_same_state(model, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd_momentum", "adam"])
+def test_small_parameters_updated_together_keep_their_own_step_counts_and_groups(adam):
+    """On one device the parameters of up to 4 KiB take their update as one concatenated array per
+    optimizer configuration, group and dtype: each element must still follow its own parameter's
+    step count (Adam's bias corrections; SGD's first momentum step) and its own group's numbers.
+    Here three of six parameters trained eagerly first (the others had no gradient, so torch did
+    not step them), in two groups with different hyperparameters (amsgrad in one)."""
+    class Params(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(3)
+            self.ps = nn.ParameterList(nn.Parameter(torch.randn(5, generator=g)) for _ in range(6))
+            self.ws = [1 + torch.rand(5, generator=g) for _ in range(6)]
+            self.only = 6
+
+        def forward(self, x):
+            return torch.stack([x[:, i] * (p * w).sum() if i < self.only else x[:, i] * 0
+                                for i, (p, w) in enumerate(zip(self.ps, self.ws))], dim=1)
+
+    def make(m):
+        ps = list(m.ps)
+        groups = [{"params": [ps[0], ps[1], ps[3]], "lr": 0.03}, {"params": [ps[2], ps[4], ps[5]], "lr": 0.1}]
+        if adam:
+            groups[0].update(amsgrad=True, weight_decay=0.1)
+            return torch.optim.Adam(groups, betas=(0.8, 0.95))
+        groups[0].update(weight_decay=0.1)
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, dampening=0.2)
+
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 6, (8,), generator=g)) for _ in range(5)]
+    model, ref = Params(), Params()
+    opt, ref_opt = make(model), make(ref)
+    for m, o in ((model, opt), (ref, ref_opt)):  # p0, p1, p2 step twice; p3, p4, p5 have no gradient
+        m.only = 3
+        for x, y in data[:2]:
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            for p in list(m.ps)[3:]:
+                p.grad = None
+            o.step()
+        m.only = 6
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    losses = [step(batch).item() for batch in data[2:]]
+    np.testing.assert_allclose(losses, eager_train(ref, ref_opt, data[2:]), rtol=1e-5)
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)

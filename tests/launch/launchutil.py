@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import select
 import subprocess
 import sys
@@ -25,6 +26,38 @@ def launch(*args: str, timeout: float = 90, env: dict | None = None, **kw) -> su
     """Runs the launcher to completion; stdout and stderr captured as bytes."""
     return subprocess.run(launcher_argv(*args), cwd=ROOT, capture_output=True, timeout=timeout,
                           env=env, **kw)
+
+
+def launch_on_terminal(*args: str, timeout: float = 90, env: dict | None = None) -> tuple[int, bytes]:
+    """Runs the launcher to completion with a pseudo-terminal as its stdout and stderr, as from a
+    user's shell; returns its exit status and all it wrote there, less the terminal's control
+    sequences (the live status's cursor moves) and carriage returns."""
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(launcher_argv(*args), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave,
+                                stderr=slave, env=env, start_new_session=True)
+    finally:
+        os.close(slave)
+    out = bytearray()
+    end = time.monotonic() + timeout
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                proc.wait(timeout=10)
+                raise AssertionError(f"the launcher ran past {timeout} s; its terminal so far: {bytes(out)!r}")
+            if select.select([master], [], [], min(left, 1.0))[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the launcher, the terminal's last writer, has closed it
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(master)
+    return proc.wait(timeout=10), re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]|\r", b"", bytes(out))
 
 
 def start_launcher(*args: str, env: dict | None = None) -> subprocess.Popen:

@@ -1,14 +1,18 @@
 """A quiet console (issue 20): the runtime's connection chatter stays off the console unless -v, goes to
 --log-dir, and never splits or joins a program's line. The chatter's stand-in is the program itself
-writing gloo's exact pieces, in the orders seen when gloo's threads and Python share a stdout."""
+writing gloo's exact pieces, in the orders seen when gloo's threads and Python share a stdout.
+A console that is a terminal (a pseudo-terminal here) tells the processes so: fit then shows progress."""
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 
 import pytest
-from launchutil import launch
+from launchutil import launch, launch_on_terminal
+
+from tpudist import contract
 
 GLOO = b"[Gloo] Rank %d is connected to %d peer ranks. Expected number of connected peer ranks is : %d"
 
@@ -97,3 +101,68 @@ def test_the_demo_console_has_no_gloo_line_and_every_line_prefixed():
     assert all(re.match(rb"^\[w0 r[01] localhost\] (dlrm: mesh|step \d+/20  loss|compiled|loss )", line)
                for line in lines), lines
     assert sum(b"step " in line for line in lines) == 2
+
+
+SHOW_CONSOLE = "import os; print('console=%r' % os.environ.get('TPUDIST_CONSOLE'))"
+
+
+def _environ(**values: str) -> dict[str, str]:
+    """This environment without TPUDIST_CONSOLE (pytest may run under a launcher), plus `values`."""
+    return {**{k: v for k, v in os.environ.items() if k != contract.CONSOLE}, **values}
+
+
+def test_a_terminal_console_tells_the_processes_and_a_pipe_or_quiet_does_not():
+    code, console = launch_on_terminal("--local", "--", "python", "-c", SHOW_CONSOLE, env=_environ())
+    assert code == 0, console.decode()
+    assert b"[w0 r0 localhost] console='tty'" in console.splitlines(), console.decode()
+    r = launch("--local", "--", "python", "-c", SHOW_CONSOLE, env=_environ())
+    assert r.returncode == 0 and r.stdout.splitlines() == [b"[w0 r0 localhost] console=None"], r.stderr.decode()
+    # --quiet: the processes' own lines only, fit's progress not among them
+    code, console = launch_on_terminal("--local", "--quiet", "--", "python", "-c", SHOW_CONSOLE, env=_environ())
+    assert code == 0 and b"[w0 r0 localhost] console=None" in console.splitlines(), console.decode()
+
+
+def test_the_users_own_console_value_wins():
+    """An exported value is passed on as it is (""): no progress by default, even on a terminal;
+    `--env` wins over it, as over everything the launcher sets."""
+    code, console = launch_on_terminal("--local", "--", "python", "-c", SHOW_CONSOLE,
+                                       env=_environ(TPUDIST_CONSOLE=""))
+    assert code == 0 and b"[w0 r0 localhost] console=''" in console.splitlines(), console.decode()
+    r = launch("--local", "--env", "TPUDIST_CONSOLE=tty", "--", "python", "-c", SHOW_CONSOLE,
+               env=_environ(TPUDIST_CONSOLE="pipe"))
+    assert r.returncode == 0 and r.stdout.splitlines() == [b"[w0 r0 localhost] console='tty'"], r.stderr.decode()
+
+
+def test_the_console_reaches_processes_over_ssh(sshd):
+    """A remote process's environment is its login's, not the launcher's: the plan carries the value,
+    the terminal's and an outer launcher's (the launcher's own environment) alike."""
+    code, console = launch_on_terminal(*sshd.launcher_flags(1), "--", "python", "-c", SHOW_CONSOLE, env=_environ())
+    assert code == 0 and b"[w0 r0 127.0.0.2] console='tty'" in console.splitlines(), console.decode()
+    r = launch(*sshd.launcher_flags(1), "--", "python", "-c", SHOW_CONSOLE, env=_environ(TPUDIST_CONSOLE="tty"))
+    assert r.returncode == 0 and r.stdout.splitlines() == [b"[w0 r0 127.0.0.2] console='tty'"], r.stderr.decode()
+
+
+FIT = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    import tpudist
+    tpudist.init()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randint(0, 3, (32,)))
+    model = torch.nn.Linear(6, 3)
+    tpudist.fit(model, torch.utils.data.DataLoader(data, batch_size=8), torch.optim.SGD(model.parameters(), lr=0.1),
+                F.cross_entropy)
+""")
+
+
+def test_fit_shows_progress_lines_by_default_on_a_terminal_console(tmp_path):
+    """What a user at a terminal sees: a progress line once the first step has compiled and run."""
+    script = tmp_path / "fit.py"
+    script.write_text(FIT)
+    code, console = launch_on_terminal("--local", "--", "python", str(script), env=_environ(), timeout=180)
+    assert code == 0, console.decode()[-3000:]
+    lines = console.splitlines()
+    progress = [line for line in lines if line.startswith(b"[w0 r0 localhost] epoch 1/1: step ")]
+    assert progress and re.fullmatch(rb"\[w0 r0 localhost\] epoch 1/1: step 1/4, .*examples/s", progress[0]), lines
+    assert lines.index(progress[0]) > lines.index(b"[w0 r0 localhost] fit: compiling the step (its first call; "
+                                                  b"the steps after reuse it) ...")
+    assert any(line.startswith(b"[w0 r0 localhost] epoch 1/1: loss ") for line in lines), lines

@@ -12,7 +12,7 @@ import sys
 import tpudist._proc as _proc
 from tpudist.launch._preflight import coordinator_port_refusal
 from tpudist.launch.config import LaunchConfig
-from tpudist.launch.plan import Ports, build_plan, choose_ports, plan_json
+from tpudist.launch.plan import Ports, build_plan, choose_ports, console_is_terminal, plan_json
 from tpudist.launch.clusters import Cluster, choose_cluster, verdicts
 
 
@@ -45,7 +45,8 @@ def dry_run(config: LaunchConfig, cluster: Cluster) -> int:
     from tpudist.launch._transport import reach_address
 
     plan = build_plan(config.procs, cluster, choose_ports(config.job, _proc.free_ports(2)), job_id="dry-run",
-                      coordinator=reach_address(cluster, config.ssh), stop_grace=config.job.stop_grace)
+                      coordinator=reach_address(cluster, config.ssh), stop_grace=config.job.stop_grace,
+                      console=console_is_terminal(config.output.quiet))
     sys.stdout.buffer.write(plan_json(plan).encode("utf-8", "surrogateescape") + b"\n")
     sys.stdout.flush()
     return 0

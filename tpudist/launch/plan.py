@@ -7,7 +7,8 @@ through the agents' gate on a multi-host job), the TPU variables on a TPU slice,
 the `MEGASCALE_*` variables in a job of several slices, torchrun's `NNODES` / `NODE_RANK`
 (`contract.torchrun_environ`), what JAX's argument-less
 `jax.distributed.initialize()` reads (`contract.jax_environ`), the profiling variables under
-`--profile`, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), the chosen Python
+`--profile`, `PYTHONUNBUFFERED=1` (so lines arrive as they are printed), `TPUDIST_CONSOLE=tty` when
+the launcher's console is a terminal (`console_env`: `fit` then shows progress), the chosen Python
 environment, `GLIBC_TUNABLES` asking for huge pages (`contract.process_defaults`: not when the
 launcher's environment or `--env` sets it or TPUDIST_HUGEPAGES=0) and finally the user's `--env`
 values. `--dry-run` prints exactly this plan.
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Mapping
 
 import tpudist.contract as contract
 from tpudist.launch.config import JobOptions, ProcessOptions
@@ -127,6 +129,21 @@ def slice_env(num_slices: int, slice_id: int, coordinator_ip: str) -> dict[str, 
             contract.SLICE_COORDINATOR: coordinator_ip, contract.SLICE_PORT: str(contract.DEFAULT_SLICE_PORT)}
 
 
+def console_is_terminal(quiet: bool) -> bool:
+    """Whether the launcher's console (stdout and stderr) is a terminal someone watches, not --quiet."""
+    return sys.stdout.isatty() and sys.stderr.isatty() and not quiet
+
+
+def console_env(terminal: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """TPUDIST_CONSOLE for every process, on every host alike: the launcher's own value when its
+    environment (`environ`) sets one, as the user's choice (`""`: no progress by default) or an outer
+    launcher's whose console this one's lines reach; else "tty" when `terminal`; else nothing.
+    `--env TPUDIST_CONSOLE=...` wins over both, as every --env value does."""
+    if contract.CONSOLE in environ:
+        return {contract.CONSOLE: environ[contract.CONSOLE]}
+    return {contract.CONSOLE: "tty"} if terminal else {}
+
+
 def host_profile_dir(job_id: str, worker: int) -> str:
     """Where host `worker`'s processes write their traces under --profile (copied back at the end)."""
     return f"/tmp/tpudist-profile-{job_id}-w{worker}"
@@ -171,8 +188,9 @@ def choose_ports(job: JobOptions, probed: list[int]) -> Ports:
 
 def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id: str, attempt: int = 0,
                coordinator: str | None = None,
-               stop_grace: float = contract.DEFAULT_STOP_GRACE) -> list[ProcessPlan]:
-    """Every process of the job, in rank order (`stop_grace`: --stop-grace, which processes see)."""
+               stop_grace: float = contract.DEFAULT_STOP_GRACE, console: bool = False) -> list[ProcessPlan]:
+    """Every process of the job, in rank order (`stop_grace`: --stop-grace, which processes see;
+    `console`: the launcher's console is a terminal, `console_is_terminal`)."""
     counts = processes_per_host(procs, cluster)
     world_size = sum(counts)
     slices = process_slices(cluster, counts)
@@ -204,6 +222,7 @@ def build_plan(procs: ProcessOptions, cluster: Cluster, ports: Ports, *, job_id:
                 env[contract.PROFILE_DIR] = host_profile_dir(job_id, worker)
                 env[contract.PROFILE_STEPS] = "%d:%d" % procs.profile_steps
             env["PYTHONUNBUFFERED"] = "1"
+            env.update(console_env(console, os.environ))
             env.update(pyenv.env)
             env.update(contract.process_defaults(os.environ, procs.env))
             env.update(procs.env)

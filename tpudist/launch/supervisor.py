@@ -44,7 +44,7 @@ from tpudist.launch._wake import WakeQueue
 from tpudist.launch.attempt import Attempt, AttemptResult, Outcome, Phase, Restarts
 from tpudist.launch.config import LaunchConfig
 from tpudist.launch.control import control_pb2 as pb
-from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, processes_per_host
+from tpudist.launch.plan import ProcessPlan, build_plan, choose_ports, console_is_terminal, processes_per_host
 from tpudist.launch.clusters import Cluster
 
 STOP_MARGIN_S = 3.0  # after the grace period: time for SIGKILL and the exit reports to arrive
@@ -79,8 +79,8 @@ class Supervisor(AgentStartup, EventHandling):
         self.hangs = HangWatch(config.job.hang_timeout)  # --hang-timeout, SIGQUIT: every rank's stacks
         self.interrupts: list[int] = []  # signal numbers, in order
         self.nprocs = sum(processes_per_host(config.procs, cluster))
-        tty = sys.stderr.isatty() and sys.stdout.isatty()
-        self.status = StartStatus(enabled=tty and not config.output.quiet)
+        self.console = console_is_terminal(config.output.quiet)  # also asks fit for progress lines
+        self.status = StartStatus(enabled=self.console)
         self.sink: LogSink | None = None
         self.t0 = time.monotonic()
 
@@ -102,7 +102,7 @@ class Supervisor(AgentStartup, EventHandling):
         plan = build_plan(self.config.procs, self.cluster, choose_ports(self.config.job, probed),
                           job_id=self.job_id, attempt=self.restarts.used,
                           coordinator=reach_address(self.cluster, self.config.ssh),
-                          stop_grace=self.config.job.stop_grace)
+                          stop_grace=self.config.job.stop_grace, console=self.console)
         if self.sink is None:
             out = self.config.output
             self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)

@@ -6,7 +6,7 @@
 Each device differentiates the loss of its slice of the batch (in `accumulate` micro-batches,
 one after another, if asked), the gradients of replicated parameters are averaged over the axis
 in one all-reduce (`ShardedEmbedding` rows are already summed by their lookup's backward), then
-every trained parameter takes its optimizer's update (`_optim.update`). Parameters the graph does
+every trained parameter takes its optimizer's update (`_optim.update_all`). Parameters the graph does
 not train pass through unchanged, as do their optimizer state and step count, as torch.optim
 skips a parameter without a gradient. The random key is split once per step and folded with the
 device's position, so each step and each device draws its own dropout masks. `signal` (one float
@@ -47,13 +47,15 @@ class StepOutputs(NamedTuple):
 
 
 def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: int, accumulate: int,
-              random: bool, max_norm: float | None, collective: bool = True) -> Callable[..., StepOutputs]:
+              random: bool, max_norm: float | None, collective: bool = True,
+              together_bytes: int = 0) -> Callable[..., StepOutputs]:
     """The per-device step for one captured graph (`run`, from `_lower.lower`).
 
     `collective=False` (one device, nothing sharded: the caller then passes the batch and the
     signal replicated, so every value is the same on "all" devices) leaves the averaging out:
     XLA:CPU keeps an all-reduce even over one device, a copy of every gradient plus a fixed cost
-    (~150 us a step on the transformer benchmark)."""
+    (~150 us a step on the transformer benchmark). Parameters of up to `together_bytes` take
+    their optimizer update together (`_optim.update_all`: where the pool packs them anyway)."""
     vary = (lambda x: lax.pcast(x, AXIS, to="varying")) if collective else (lambda x: x)
     bucket = bucket_bytes()
     mean = (lambda xs: bucketed_mean(xs, AXIS, bucket)) if collective else (lambda xs: xs)
@@ -100,9 +102,11 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
         if max_norm is not None:
             grads = _clip(grads, sharded, max_norm)
         new_params, new_states = list(params), list(states)
-        for j, (i, cfg, g) in enumerate(zip(trainable, configs, groups)):
-            new_params[i], new_states[i] = _optim.update(cfg, params[i], grads[j], tuple(states[i]), hyper[g],
-                                                         counts[i])
+        updates = _optim.update_all(configs, groups, [params[i] for i in trainable], grads,
+                                    [states[i] for i in trainable], hyper, counts[np.asarray(trainable, np.int32)],
+                                    together_bytes)
+        for i, p, s in zip(trainable, *updates):
+            new_params[i], new_states[i] = p, s
         if collective:
             floats = [j for j, b in enumerate(new_updated) if jnp.issubdtype(b.dtype, jnp.floating)]
             averaged = dict(zip(floats, mean([new_updated[j] for j in floats])))
@@ -261,9 +265,10 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
         if max_norm is not None:
             grads = _clip(grads, [False] * len(grads), max_norm)
         new_params, new_states = list(params), list(states)
-        for j, (i, cfg, g) in enumerate(zip(trainable, configs, groups)):
-            new_params[i], new_states[i] = _optim.update(cfg, params[i], grads[j], tuple(states[i]), hyper[g],
-                                                         counts[i])
+        updates = _optim.update_all(configs, groups, [params[i] for i in trainable], grads,
+                                    [states[i] for i in trainable], hyper, counts[np.asarray(trainable, np.int32)])
+        for i, p, s in zip(trainable, *updates):
+            new_params[i], new_states[i] = p, s
         if signal is not None:
             signal = jnp.mean(signal)
         new_updated = [n.astype(u.dtype) for n, u in zip(new_updated, updated)]

@@ -278,10 +278,11 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     Perfetto). The launcher's `--profile DIR --profile-steps A:B` sets this for every process
     (`TPUDIST_PROFILE_DIR`, `TPUDIST_PROFILE_STEPS`) and copies the traces back.
 
-    Rank 0 shows a progress bar (loss, examples/s) when `progress` is True, or None and stderr is
-    a terminal; where stderr is not a terminal (under the launcher) `progress=True` prints a
-    progress line at most every 10 s instead. With `log`, rank 0 says when the first call compiles
-    the fused step and prints one line per epoch, its compile time apart. Each record: {"epoch",
+    Rank 0 shows progress (loss, examples/s) when `progress` is True, or None and stderr is a
+    terminal or the launcher's console is (it sets TPUDIST_CONSOLE=tty): a bar on a terminal, else
+    (stderr the launcher's pipe) a line after the first step, then at most one every 10 s. With
+    `log`, rank 0 says when the first call compiles the fused step and prints one line per epoch,
+    its compile time apart. Each record: {"epoch",
     "loss" (mean over steps and processes of the local losses), "examples" (all processes),
     "seconds", "examples_per_s", "compile_seconds" (capture and XLA compilation within the epoch)}.
     Example::
@@ -316,8 +317,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     at = (saver.restore() if saver else None) or _resume.Progress()
     resumed = at.position > 0
     terminal = sys.stderr.isatty()
-    bar = _fit_io.Progress(rank == 0 and (progress if progress is not None else terminal), log and rank == 0,
-                           terminal)
+    bar = _fit_io.Progress(rank == 0 and _fit_io.shows_progress(progress, terminal), log and rank == 0, terminal)
     history: list[dict[str, float]] = []
     model.train()
     with _resume.stop_on_sigterm(step if saver else None) as stopping:
@@ -352,7 +352,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                         if lr_scheduler is not None:
                             lr_scheduler.step()
                         examples += _examples(batch)
-                        bar.update(losses, examples * count / (time.perf_counter() - start))
+                        # the rate of training, its compile left out (the first step's line would say 7/s)
+                        busy = time.perf_counter() - start - (_compile_seconds(step) - compiled)
+                        bar.update(losses, examples * count / max(busy, 1e-9))
                         if saver is not None and stopping.agreed(step.signal):
                             saver.save(at, wait=True)
                             raise _resume.Stopped(at.global_step)

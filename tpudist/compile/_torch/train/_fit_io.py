@@ -14,16 +14,24 @@ from tpudist import contract
 LINE_EVERY_S = 10.0  # a progress line at most this often where stderr is not a terminal (the launcher's pipe)
 
 
+def shows_progress(progress: bool | None, terminal: bool) -> bool:
+    """fit's `progress`: None shows it where stderr is a terminal, or where it is the launcher's pipe
+    and the launcher's own console is one (TPUDIST_CONSOLE=tty)."""
+    if progress is not None:
+        return progress
+    return terminal or os.environ.get(contract.CONSOLE) == "tty"
+
+
 class Progress:
-    """Rank 0's progress: a rich bar when stderr is a terminal, whole lines at most every
-    LINE_EVERY_S seconds when it is not (under the launcher, whose console prints each process's
-    lines); and, with `log`, one line per epoch."""
+    """Rank 0's progress: a rich bar when stderr is a terminal, whole lines when it is not (under the
+    launcher, whose console prints each process's lines): the first after the first step (its
+    compile done), then at most every LINE_EVERY_S seconds; and, with `log`, one line per epoch."""
 
     def __init__(self, enabled: bool, log: bool, terminal: bool = True):
         self.log = log
         self.bar = None
         self.lines = enabled and not terminal
-        self._last_line = time.monotonic()
+        self._last_line = float("-inf")  # the first step prints one
         self._title, self._total, self._done = "", None, 0
         if enabled and terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

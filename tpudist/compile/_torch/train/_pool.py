@@ -91,11 +91,20 @@ _concat = jax.jit(Packing.concat)  # the pool's group buffers from their members
 
 
 def flatten_state(params: list[jax.Array], states: list[tuple[jax.Array, ...]]) -> list[jax.Array]:
-    """The pool's order: every parameter, then every entry's optimizer-state arrays."""
-    return list(params) + [a for entry in states for a in entry]
+    """The pool's order: every parameter, then every entry's first optimizer-state array, then every
+    second one: the update of the pooled parameters together (`_optim.update_all`) then writes
+    each of these runs of the pool whole, not piece by piece."""
+    slots = max((len(s) for s in states), default=0)
+    return list(params) + [s[k] for k in range(slots) for s in states if k < len(s)]
 
 
 def unflatten_state(flat: list[jax.Array], layout: "Layout") -> EntryArrays:
     """`flatten_state`'s inverse for `layout`'s entries."""
     params, rest = list(flat[:len(layout)]), iter(flat[len(layout):])
-    return EntryArrays(params, [tuple(next(rest) for _ in e.config.state) for e in layout.entries])
+    counts = [len(e.config.state) for e in layout.entries]
+    states: list[list[jax.Array]] = [[] for _ in counts]
+    for k in range(max(counts, default=0)):
+        for entry, count in zip(states, counts):
+            if k < count:
+                entry.append(next(rest))
+    return EntryArrays(params, [tuple(s) for s in states])

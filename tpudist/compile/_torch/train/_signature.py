@@ -24,7 +24,7 @@ from tpudist.compile._torch.lowering._capture import capture
 from tpudist.compile._torch.lowering._lower import lower
 from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
-from tpudist.compile._torch.train._pool import StatePool, flatten_state, unflatten_state
+from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
 from tpudist.compile._torch.train._state import Mirror
 
 RUN_AHEAD = 8  # staged batches in flight: how many steps the host may run ahead of the device (see Staging)
@@ -64,7 +64,8 @@ class Signature:
         else:
             collective = _averages(devices, layout)
             body = make_body(self.plan, layout, lower(captured), devices=devices, accumulate=accumulate,
-                             random=self.random, max_norm=max_grad_norm, collective=collective)
+                             random=self.random, max_norm=max_grad_norm, collective=collective,
+                             together_bytes=POOL_MAX_BYTES if mirror.pool.pooled else 0)
             if mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
                 body = _pooled(body, mirror.pool)
                 param_specs = P()
