@@ -280,8 +280,8 @@ DP_COLUMNS = [("model", "model", "s"), ("global batch", "global_batch", "d"), ("
               ("fused, 1 all-reduce per array ms", "per_array_ms", ".2f"), ("per array / bucketed", "bucketing_speedup", "x")]
 DP_TITLE = ("data parallel at a fixed global batch: torch DDP (gloo) vs the fused XLA step, ms per step (median); "
             "/ 1 proc = this step time over the one-process step's (1.0: no cost for the split); own device = the "
-            "fused step over each process's own device (no all-reduce: the compute floor with every process busy); all-reduce alone = the step's gradient "
-            "all-reduce by itself; floor = the two added; "
+            "fused step over each process's own device (no all-reduce: the compute floor with every process busy); "
+            "all-reduce alone = the step's gradient all-reduce by itself; floor = the two added; "
             "1 all-reduce per array = TPUDIST_GRAD_BUCKET_MB=0")
 
 

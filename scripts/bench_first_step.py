@@ -5,8 +5,8 @@
     python scripts/bench_first_step.py --models bart --optimizer adamw --no-inductor
 
 Models: the zoo (tests/compile/test_zoo.py's ZOO: `compile_train_step(model, None, SGD)` on its
-batch; `--optimizer adamw` for AdamW), the hand-written JAX models (scripts/_jax_reference.py: `compile_train_step(model,
-cross_entropy, SGD)`, and `jax.jit`'s first call of the JAX version beside it) and gpt2 at 12
+batch; `--optimizer adamw` for AdamW), the hand-written JAX models (scripts/_jax_reference.py:
+`compile_train_step(model, cross_entropy, SGD)`, and `jax.jit`'s first call of the JAX version beside it) and gpt2 at 12
 layers (`gpt2@12`: the depth ratio 12/2 against the zoo's 2-layer gpt2); a name ending in `+noscan`
 (`gpt2@12+noscan`) runs that model with every layer lowered on its own, the repeated-layer scan off
 (TPUDIST_SCAN_LAYERS=0), tpudist's rows only. Each measurement runs in
