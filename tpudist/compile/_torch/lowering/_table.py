@@ -36,6 +36,58 @@ IGNORED_OPS = frozenset({
 SUPPORTED_OPS_HINT = "tpudist.supported_torch_ops()"
 
 
+class MissingOp:
+    """An ATen op or overload the running torch does not have (`aten.cholesky` left torch 2.14).
+
+    The op families name ops through `aten` below; a name torch lacks comes back as a MissingOp,
+    which `register`, `decompose_with_torch` and `keep_whole` skip and record, so that a torch
+    release that drops or renames an op costs that op's lowering, never the import of tpudist.
+    `missing_ops()` lists them (`tpudist doctor` prints them)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str) -> "MissingOp":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return MissingOp(f"{self.name}.{attr}")
+
+    def __repr__(self) -> str:
+        return f"MissingOp({self.name!r})"
+
+
+class _Packet:
+    """One ATen op's overloads, by name; an overload the running torch lacks is a MissingOp."""
+
+    __slots__ = ("_packet", "_name")
+
+    def __init__(self, packet: Any, name: str) -> None:
+        self._packet, self._name = packet, name
+
+    def __getattr__(self, overload: str) -> Any:
+        try:
+            return getattr(self._packet, overload)
+        except AttributeError:
+            return MissingOp(f"{self._name}.{overload}")
+
+
+class _Aten:
+    """`torch.ops.aten` for the op table: `aten.NAME.OVERLOAD` is the real OpOverload where the
+    running torch has it, else a MissingOp."""
+
+    def __getattr__(self, name: str) -> Any:  # (aten has dunder ops too: aten.__lshift__)
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            return MissingOp(f"aten.{name}")
+        return _Packet(packet, f"aten.{name}")
+
+
+aten = _Aten()
+
+
 class UnsupportedOpError(NotImplementedError):
     """An ATen op (or an argument value of one) that the torch -> XLA bridge cannot lower.
 
@@ -58,6 +110,25 @@ _NAMED: dict[str, Lowering] = {}  # ops of other libraries, by name (see registe
 # ops left to torch's own decomposition (torch._decomp), beyond torch.export's core-ATen table
 _DECOMPOSED: set[Any] = set()
 _KEPT: set[Any] = set()  # ops lowered whole although torch.export's table decomposes them
+_MISSING: dict[str, str] = {}  # op name -> what the table wanted it for, for ops this torch lacks
+
+
+def _present(ops: tuple[Any, ...], why: str) -> list[Any]:
+    """`ops` less the ones this torch lacks, which are recorded in `_MISSING` as wanted for `why`."""
+    found = []
+    for op in ops:
+        if isinstance(op, MissingOp):
+            _MISSING.setdefault(op.name, why)
+        else:
+            found.append(op)
+    return found
+
+
+def missing_ops() -> dict[str, str]:
+    """The ATen ops the op table names that the running torch does not have, each with what the
+    table wanted it for ("lowering", "decomposition", "kept whole"); empty on the torch it was
+    written against."""
+    return dict(sorted(_MISSING.items()))
 
 
 def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
@@ -70,7 +141,7 @@ def register(*ops: Any, random: bool | Callable[[Any], bool] = False,
             return jax.nn.relu(x)
     """
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for op in ops:
+        for op in _present(ops, "lowering"):
             assert op not in _REGISTRY, f"{op} is registered twice ({_REGISTRY.get(op)} and {fn})"
             _REGISTRY[op] = Lowering(op, fn, random, input_meta)
         return fn
@@ -93,8 +164,10 @@ def decompose_with_torch(*ops: Any) -> None:
     `torch._decomp`) instead of lowering them: for ops whose torch decomposition is exact and
     lowers to supported ops (e.g. `addbmm` into `bmm` and a sum)."""
     from torch._decomp import decomposition_table
-    for op in ops:
-        assert op in decomposition_table, f"torch has no decomposition of {op}"
+    for op in _present(ops, "decomposition"):
+        if op not in decomposition_table:  # this torch release dropped it: the op stays unsupported
+            _MISSING.setdefault(str(op), "decomposition (this torch has none)")
+            continue
         assert op not in _REGISTRY, f"{op} is both lowered and decomposed"
         _DECOMPOSED.add(op)
 
@@ -103,4 +176,4 @@ def keep_whole(*ops: Any) -> None:
     """Marks registered ATen overloads that capture keeps whole although torch.export's core-ATen
     table decomposes them: where the decomposition differentiates worse than torch's own kernel
     (`special_log_ndtr` as a `where` of two branches: NaN gradients, 0 * inf, for |x| > 5)."""
-    _KEPT.update(ops)
+    _KEPT.update(_present(ops, "kept whole"))

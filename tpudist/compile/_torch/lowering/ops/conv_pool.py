@@ -13,9 +13,7 @@ from tpudist.compile._torch.lowering._table import register
 from tpudist.compile._torch.lowering.ops._util import unsupported_arg
 from tpudist.compile._torch.lowering.ops.linalg import accumulation, with_bias
 
-aten = __import__("torch").ops.aten
-
-
+from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
 def _per_dim(value, n):
     value = [value] if isinstance(value, int) else list(value)
     return value * n if len(value) == 1 else value
