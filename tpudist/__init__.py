@@ -4,7 +4,9 @@
     tpudist.init()                                  # joins the job the launcher started
     g = tpudist.all_reduce(grad, op="mean")         # torch / numpy / jax in, same type out
     mesh = tpudist.mesh.make_mesh({"data": -1, "model": 2})
-    step = tpudist.compile(train_step, mesh=mesh)   # JAX function or torch.nn.Module
+    step = tpudist.compile(train_step, mesh=mesh)   # a JAX function, SPMD over the mesh
+    model = tpudist.compile(torch_model)            # a torch.nn.Module, on this process's accelerator
+    step = tpudist.compile_train_step(torch_model, loss_fn, optimizer, mesh=mesh)  # fused, sharded
 
 Names are imported lazily, so `import tpudist` (and the launcher) does not import jax or torch.
 """

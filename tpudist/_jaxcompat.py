@@ -1,8 +1,8 @@
 """Every private JAX API tpudist uses, in one module, so that a JAX upgrade touches one file.
 
-Written against jax / jaxlib 0.10.2. Each function names the private call it makes, why the public
-one does not do, and what happens where the private call is gone: the public fallback it takes, or
-the error it raises. `tests/runtime/test_jaxcompat.py` fails on a JAX where one of them has
+Written against jax / jaxlib 0.10.2 (`CHECKED_ON`). Each function names the private call it makes,
+why the public one does not do, and what happens where the private call is gone: the public
+fallback it takes, or the error `moved` words (which API, which JAX, what to pin). `tests/runtime/test_jaxcompat.py` fails on a JAX where one of them has
 silently fallen back, so an upgrade shows which one to look at.
 
 Nothing here imports jax at module level: `tpudist._runtime` imports this module, and `import
@@ -17,6 +17,19 @@ from typing import Any
 
 _DL_CPU = 1  # DLPack's kDLCPU
 
+# Every private call below was checked on these releases (tpudist/_versions.py lists what the suite runs).
+CHECKED_ON = "jax/jaxlib 0.10.2"
+
+
+def moved(api: str, error: BaseException) -> RuntimeError:
+    """The error for a private JAX API this JAX release no longer has: which API, which release,
+    what to pin."""
+    import jax
+    return RuntimeError(f"tpudist needs JAX's private {api}, which jax {jax.__version__} does not have "
+                        f"({type(error).__name__}: {error}); it was checked on {CHECKED_ON}. Pin "
+                        "jax==0.10.2 jaxlib==0.10.2 (`pip install 'jax==0.10.2' 'jaxlib==0.10.2'`), or "
+                        "upgrade tpudist; tpudist._jaxcompat is where it needs updating.")
+
 # `tpudist._profile.span` while a profile records, None otherwise (set by tpudist._profile): a
 # buffer import or an assembly is then a named span on the trace.
 tracer: Callable[..., Any] | None = None
@@ -26,7 +39,7 @@ def import_buffer(buffer: Any, device: Any) -> Any | None:
     """Wraps a CPU buffer (torch tensor, numpy array, or a DLPack capsule of one) as an XLA buffer on
     `device`, without a copy.
 
-    Private: `jax._src.lib._jax.dlpack_managed_tensor_to_buffer` (jaxlib 0.10). The public
+    Private: `jax._src.lib._jax.dlpack_managed_tensor_to_buffer` (checked on jaxlib 0.10.2). The public
     `jax.dlpack.from_dlpack` makes the same call and then dispatches a dtype canonicalization that
     costs ~10x the import itself. Returns None where the import is not possible (the private call
     moved, a dtype DLPack cannot carry, an unaligned buffer); the caller then takes the public path
@@ -95,7 +108,7 @@ def _import_buffer(buffer: Any, device: Any) -> Any | None:
 def export_buffer(array: Any) -> Any | None:
     """A DLPack capsule sharing a single-device CPU `jax.Array`'s memory, once it is ready.
 
-    Private: `jax._src.lib._jax.buffer_to_dlpack_managed_tensor` (jaxlib 0.10), the call
+    Private: `jax._src.lib._jax.buffer_to_dlpack_managed_tensor` (checked on jaxlib 0.10.2), the call
     `jax.Array.__dlpack__` ends in; it waits until the array's computation is done. The public
     path adds device and sharding checks costing 4-12 us per array (measured on fresh outputs of
     an executable), which a compiled torch module pays on every output and gradient. Returns None
@@ -116,7 +129,7 @@ def assemble(shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
     `shards` (one per local device, in the sharding's device order).
 
     Private: `jax._src.array.ArrayImpl(..., _skip_checks=True)` and `jax._src.core.ShapedArray`
-    (jax 0.10): a few microseconds, against ~50 us for the public
+    (checked on jax 0.10.2): a few microseconds, against ~50 us for the public
     `jax.make_array_from_single_device_arrays`, whose checks hold by construction for tpudist's
     callers. Public fallback: that call, where the private constructor moved.
     """
@@ -140,7 +153,7 @@ def _assemble(shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
 def backend_started() -> bool:
     """Whether JAX has already created its backends (after which XLA_FLAGS no longer apply).
 
-    Private: `jax._src.xla_bridge.backends_are_initialized()` (jax 0.10); every public way to ask
+    Private: `jax._src.xla_bridge.backends_are_initialized()` (checked on jax 0.10.2); every public way to ask
     (`jax.devices()`, `jax.default_backend()`) starts the backends. Fallback: False, where the call
     moved; `init()` then sets its XLA flags without checking that they can still take effect.
     """
@@ -155,35 +168,30 @@ def distributed_client() -> Any:
     """The coordination service client of the running `jax.distributed` job (key-value store,
     barriers), or None where this process has not joined one.
 
-    Private: `jax._src.distributed.global_state.client` (jax 0.10). JAX has no public accessor;
+    Private: `jax._src.distributed.global_state.client` (checked on jax 0.10.2). JAX has no public accessor;
     `jax.experimental.multihost_utils` reads the same object. No fallback: without the client,
     collectives could neither check their peers nor wait at a barrier, so a missing one is an
     error naming the JAX version rather than a silent single-process job.
     """
-    import jax
     try:
         from jax._src import distributed
         return distributed.global_state.client
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"tpudist cannot reach JAX's coordination service client in jax "
-                           f"{jax.__version__} ({e}); tpudist._jaxcompat.distributed_client needs "
-                           "updating for this JAX version") from e
+        raise moved("jax._src.distributed.global_state.client (the coordination service client)", e) from e
 
 
 def distributed_state() -> Any:
     """JAX's distributed runtime state object (`client`, `service`, `preemption_sync_manager`,
     `shutdown()`), for leaving a job without waiting in JAX's exit barrier (tpudist._exit).
 
-    Private: `jax._src.distributed.global_state` (jax 0.10); JAX has no public handle on it. No
+    Private: `jax._src.distributed.global_state` (checked on jax 0.10.2); JAX has no public handle on it. No
     fallback: where it moved, tpudist._exit cannot bound the exit and says so.
     """
-    import jax
     try:
         from jax._src import distributed
         return distributed.global_state
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"tpudist cannot reach JAX's distributed state in jax {jax.__version__} ({e}); "
-                           "tpudist._jaxcompat.distributed_state needs updating for this JAX version") from e
+        raise moved("jax._src.distributed.global_state (the distributed runtime state)", e) from e
 
 
 def varying_axes(value: Any) -> frozenset[str]:
@@ -193,4 +201,9 @@ def varying_axes(value: Any) -> frozenset[str]:
 
     aval = jax.typeof(value)
     mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    if mat is not None:
+        return frozenset(mat.varying)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    raise moved("varying-axis types of a shard_map value (the aval's `mat` or `vma`)",
+                AttributeError(f"{type(aval).__name__} has neither `mat` nor `vma`"))

@@ -18,6 +18,7 @@ import tpudist._coordinator as _coordinator
 import tpudist._jaxcompat as _jaxcompat
 import tpudist._jobsource as _jobsource
 import tpudist._stacks as _stacks
+import tpudist._versions as _versions
 import tpudist.contract as contract
 
 log = logging.getLogger("tpudist")
@@ -84,6 +85,7 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
             return _job
         # The launcher's contract, else a GKE / JobSet slice, else one process (tpudist/_jobsource.py).
         job = _jobsource.detect(os.environ if environ is None else environ)
+        _versions.warn_untested()  # once: a torch or JAX the suite never ran on
         # First, so that even a hang while joining can be explained (tpudist/_stacks.py).
         _stacks.install(os.environ if environ is None else environ)
         if job.cpu_devices is not None:

@@ -2,12 +2,14 @@
 
     tpudist launch [launcher flags] -- python train.py    # the same as python -m tpudist.xla_dist
     tpudist doctor [--hosts ... | --hostfile ... | --tpu ...]   # every cluster source's verdict, and why;
-                                                                # whether this host's TPU is free
+                                                                # whether this host's TPU is free; the
+                                                                # device each path computes on
     tpudist --version
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
@@ -15,7 +17,8 @@ USAGE = """usage: tpudist {launch,doctor} ...
 
   launch   run a program on every host: tpudist launch [flags] -- python train.py
   doctor   show which cluster source applies to these flags, and why each does or does not;
-           whether this host's TPU is held by another process or locked, and the fix
+           whether this host's TPU is held by another process or locked, and the fix;
+           the device each path computes on (tpudist.compile, the dynamo backend, fused step, collectives)
 """
 
 
@@ -48,13 +51,38 @@ def _run(argv: list[str]) -> int:
     return 2
 
 
+def doctor_parser() -> argparse.ArgumentParser:
+    """`tpudist doctor`'s own command line: the launcher's "where" flags (what `cluster_options` reads),
+    nothing else, so `--help` describes doctor rather than the launcher."""
+    p = argparse.ArgumentParser(
+        prog="tpudist doctor", allow_abbrev=False,
+        description="Show which cluster source applies to these flags and why each does or does not "
+                    "(as `tpudist launch` with the same flags would choose), then whether this host's TPU "
+                    "is free (a process holding its device nodes or a stale libtpu lock file, with the fix) and "
+                    "which Python, torch and JAX are installed. Starts nothing. Exit status 1 when no cluster applies or the TPU is not free.",
+        epilog="examples: tpudist doctor --tpu my-slice --zone us-central2-b; tpudist doctor --tpu=local "
+               "(on a TPU VM); tpudist doctor (no flags: what this machine looks like, e.g. a SLURM allocation)")
+    where = p.add_argument_group("where the job would run (the launcher's flags; at most one)")
+    cluster = where.add_mutually_exclusive_group()
+    cluster.add_argument("--local", action="store_true", help="this machine, without SSH")
+    cluster.add_argument("--hosts", metavar="H1,H2", help="SSH hosts, each [user@]host[:port], worker 0 first")
+    cluster.add_argument("--hostfile", metavar="FILE", help="MPI/DeepSpeed hostfile: `host slots=N` per line")
+    cluster.add_argument("--tpu", metavar="NAME[,NAME]", help="Cloud TPU VM slices by name (local: this VM's)")
+    where.add_argument("--zone", help="the TPU's zone (default: gcloud's or the metadata server's)")
+    where.add_argument("--project", help="the TPU's project (default: gcloud's or the metadata server's)")
+    where.add_argument("--internal-ip", action="store_true", help="the TPU workers' internal IPs")
+    where.add_argument("--num-slices", type=int, metavar="N", help="the hosts form N slices")
+    return p
+
+
 def doctor(argv: Sequence[str]) -> int:
     """Prints every registered cluster source's verdict for these flags, then what would run, then
-    this host's TPU preflight. Exit status 1 when no cluster applies or the TPU is not free."""
-    from tpudist.launch.args import build_parser, cluster_options
+    this host's TPU preflight and the device each path computes on. Exit status 1 when no cluster
+    applies, the TPU is not free or JAX cannot list its devices."""
+    from tpudist.launch.args import cluster_options
     from tpudist.launch.clusters import choose_cluster, verdicts
 
-    options = cluster_options(build_parser("tpudist doctor").parse_args(list(argv)))
+    options = cluster_options(doctor_parser().parse_args(list(argv)))
     results = verdicts(options)
     width = max(len(name) for name, _ in results)
     for name, verdict in results:
@@ -63,11 +91,69 @@ def doctor(argv: Sequence[str]) -> int:
         cluster = choose_cluster(options)
     except ValueError as e:
         print(f"\nno cluster: {e}")
-        return 1 | tpu_doctor()
+        versions_doctor()
+        return 1 | _device_doctors()
     hosts = ", ".join(str(h) for h in cluster.hosts[:8]) + (" ..." if len(cluster.hosts) > 8 else "")
     print(f"\nchosen: {cluster.source}: {len(cluster.hosts)} host(s): {hosts}"
           + (f"; accelerator {cluster.accelerator_type}" if cluster.accelerator_type else ""))
-    return tpu_doctor()
+    versions_doctor()
+    return _device_doctors()
+
+
+def _device_doctors() -> int:
+    """The TPU preflight, then (where the TPU is free: JAX could not open a held one) which device
+    each path computes on."""
+    return tpu_doctor() or devices_doctor()
+
+
+def versions_doctor() -> None:
+    """Python, torch and JAX as installed, each against the releases the suite runs on, and the ATen
+    ops tpudist's op table names that this torch lacks (their lowerings are skipped)."""
+    import platform
+
+    from tpudist import _versions
+
+    print(f"\nversions: python {platform.python_version()}; "
+          + "; ".join(f"{p} {_versions.installed(p) or 'not installed'}" for p in _versions.TESTED))
+    for line in _versions.untested() or ["every installed release is a tested one"]:
+        print(f"  {line}")
+    if _versions.installed("torch") is not None:
+        from tpudist.compile._torch.lowering._registry import supported_ops
+        from tpudist.compile._torch.lowering._table import missing_ops
+
+        missing = missing_ops()
+        supported = supported_ops()
+        print(f"  torch ops lowered: {len(supported)}"
+              + (f"; skipped, absent from this torch: {', '.join(missing)}" if missing else ""))
+
+
+DEVICES_TIMEOUT_S = 90.0  # the longest `tpudist doctor` waits for a fresh process to list its devices
+_DEVICES_CODE = ("from tpudist.compile._torch._placement import device_report\n"
+                 "for path, where in device_report(): print(path, where, sep='\\t')")
+
+
+def devices_doctor() -> int:
+    """Which device each path computes on (the compiled module, the dynamo backend, the fused step's
+    default mesh, the collectives), as a process started here sees them: a fresh process, so that
+    this one neither holds the TPU nor waits without a deadline for JAX to start. 1 when it fails."""
+    import subprocess
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _DEVICES_CODE], capture_output=True, text=True,
+                              timeout=DEVICES_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"\ndevices: JAX did not list its devices within {DEVICES_TIMEOUT_S:g} s")
+        return 1
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        print(f"\ndevices: JAX could not start (exit code {done.returncode}):\n{tail}")
+        return 1
+    rows = [line.split("\t", 1) for line in done.stdout.splitlines() if "\t" in line]
+    width = max(len(path) for path, _ in rows)
+    print("\ndevices (where each path computes, in a process started here):")
+    for path, where in rows:
+        print(f"  {path:<{width}}  {where}")
+    return 0
 
 
 def tpu_doctor() -> int:

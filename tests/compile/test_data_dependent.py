@@ -64,6 +64,88 @@ class RandomBranch(torch.nn.Module):
         return x.sum()
 
 
+class MaskedLoss(torch.nn.Module):
+    """ELECTRA's discriminator loss: only the tokens the attention mask keeps, by x[mask]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, x, attention_mask, labels):
+        logits = self.fc(x).squeeze(-1)
+        active = attention_mask.view(-1) == 1
+        return F.binary_cross_entropy_with_logits(logits.view(-1)[active], labels.view(-1)[active].float())
+
+
+class ActivationMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[h > 0].sum()  # which rows: known only after the parameters are applied
+
+
+def _mask(kept: list[int]) -> torch.Tensor:
+    return torch.tensor([[1] * k + [0] * (5 - k) for k in kept])
+
+
+def test_boolean_mask_indexing_on_inputs_is_specialised_on_the_count_and_matches_eager():
+    torch.manual_seed(0)
+    model = MaskedLoss()
+    eager, compiled = copy.deepcopy(model), tpudist.compile(model)
+    x, labels = torch.randn(2, 5, 4), torch.randint(0, 2, (2, 5))
+    # same count at other positions: the same executable (the positions are computed in the graph)
+    for kept, compiles in (([3, 4], 1), ([4, 3], 1), ([5, 2], 1), ([2, 2], 2)):
+        got, want = compiled(x, _mask(kept), labels), eager(x, _mask(kept), labels)
+        torch.testing.assert_close(got, want)
+        assert compiled.stats.compiles == compiles
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(model.fc.weight.grad, eager.fc.weight.grad)
+
+
+def test_boolean_mask_indexing_trains_in_the_fused_step_as_eager():
+    torch.manual_seed(0)
+    model = MaskedLoss()
+    eager = copy.deepcopy(model)
+    step = tpudist.compile_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.5))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
+    x, labels = torch.randn(2, 5, 4), torch.randint(0, 2, (2, 5))
+    for kept in ([3, 4], [4, 3], [2, 2]):
+        loss = float(step((x, _mask(kept), labels)))
+        eager_opt.zero_grad()
+        want = eager(x, _mask(kept), labels)
+        want.backward()
+        eager_opt.step()
+        assert loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(model.state_dict()["fc.weight"], eager.fc.weight.detach())
+
+
+@pytest.mark.parametrize("model", ["labelled_rows", "masked_loss"])
+def test_data_dependent_lengths_under_bf16_autocast_match_eager_autocast(model):
+    # inside torch.autocast the forward is an autocast region (a submodule of the exported graph)
+    torch.manual_seed(0)
+    if model == "labelled_rows":
+        net, inputs = LabelledRows(), (torch.randn(6, 4), _labels(2))
+    else:
+        net, inputs = MaskedLoss(), (torch.randn(2, 5, 4), _mask([2, 3]), torch.randint(0, 2, (2, 5)))
+    eager, compiled = copy.deepcopy(net), tpudist.compile(net)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(*inputs), eager(*inputs)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 matmuls: XLA's and torch's round apart
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(net.fc.weight.grad, eager.fc.weight.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_a_boolean_mask_computed_from_parameters_is_refused_with_the_rewrite():
+    with pytest.raises(CaptureError, match=r"aten.index.Tensor.*data-dependent shape.*torch.where\(mask, x, 0\)"
+                                           r".*test_data_dependent.py:\d+"):
+        tpudist.compile(ActivationMask())(torch.randn(3, 4))
+
+
 def _labels(missing: int) -> torch.Tensor:
     labels = torch.tensor([0, 1, 2, 1, 0, 2])
     labels[:missing] = -100

@@ -630,16 +630,29 @@ def test_dropout_is_reproducible_scaled_and_off_in_eval():
 
 
 @pytest.mark.parametrize("fn, op, rewrite", [
-    (lambda x: x[x > 0], "aten.index", r"torch.where\(mask, x, 0\) instead of x\[mask\]"),
-    (lambda x: torch.masked_select(x, x > 0), "aten.masked_select", r"torch.where\(mask, x, 0\)"),
     (lambda x: torch.unique(x.round()), "aten._unique2", r"one_hot\(x, K\).sum\(0\)"),
-    (lambda x: torch.nonzero(x > 0), "aten.nonzero", "nonzero_static"),
 ])
 def test_data_dependent_shapes_are_a_capture_error_naming_the_op_and_the_static_rewrite(fn, op, rewrite):
     cm = tpudist.compile(Fn(fn))
     with pytest.raises(CaptureError,
                        match=rf"{op}\S* in the top-level forward \(Fn\) produces a data-dependent shape.*{rewrite}"):
         cm(randn(5))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[x > 0] * 2,
+    lambda x: torch.masked_select(x, x > 0) * 2,
+    lambda x: torch.nonzero(x > 0),
+], ids=["mask_index", "masked_select", "nonzero"])
+def test_a_length_computed_from_the_inputs_is_specialised_on_it_and_guarded(fn):
+    cm = tpudist.compile(Fn(fn))
+    x = randn(7)
+    torch.testing.assert_close(cm(x), fn(x))
+    torch.testing.assert_close(cm(x.flip(0)), fn(x.flip(0)))  # the same count elsewhere: no new capture
+    assert cm.stats.recaptures == 0
+    y = x.abs()  # another count: captured again, still equal to eager
+    torch.testing.assert_close(cm(y), fn(y))
+    assert cm.stats.recaptures == 1
 
 
 def test_grouped_matmul_of_mixture_of_experts_matches_eager():

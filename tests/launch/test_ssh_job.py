@@ -285,3 +285,21 @@ def test_ssh_agent_key_and_hostfile_slots(sshd, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     lines = sorted(line.split("] ", 1)[1] for line in r.stdout.decode().splitlines())
     assert lines == ["0 0 127.0.0.2", "1 1 127.0.0.2", "2 0 127.0.0.3"]
+
+
+def test_gclouds_key_is_tried_without_ssh_key(sshd, tmp_path, marker):
+    # a TPU user's only key is often the one `gcloud compute ssh` made: no --ssh-key, no ~/.ssh/config
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    shutil.copy(sshd.key, home / ".ssh" / "google_compute_engine")
+    flags = [f for f in sshd.launcher_flags(1)]
+    at = flags.index("--ssh-key")
+    del flags[at:at + 2]
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("SSH_AUTH_SOCK", None)
+    r = launch(*flags, "--", "python", "-c", "print('reached')", marker, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"reached" in r.stdout
+    (home / ".ssh" / "google_compute_engine").unlink()  # and without it: refused, naming the host
+    r = launch(*flags, "--", "python", "-c", "print('reached')", marker, env=env)
+    assert r.returncode != 0 and b"127.0.0.2" in r.stdout + r.stderr

@@ -36,6 +36,9 @@ class SshError(Exception):
     """Reaching or logging in to a host failed; the message names the host and the fix."""
 
 
+GCLOUD_KEY = "~/.ssh/google_compute_engine"  # the key gcloud creates and authorizes on Compute/TPU VMs
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where and as whom a Host is reached, after ~/.ssh/config and the flags."""
@@ -51,8 +54,10 @@ class Target:
 def resolve(host: Host, opts: SshOptions, config: paramiko.SSHConfig) -> Target:
     """Applies the precedence OpenSSH uses: the host's own user/port, then the flags, then the config."""
     cfg = config.lookup(host.address)
-    keys = (opts.key,) if opts.key else tuple(
-        p for p in (os.path.expanduser(k) for k in cfg.get("identityfile", [])) if os.path.exists(p))
+    # beside paramiko's own ~/.ssh/id_*: the config's IdentityFile, then the key `gcloud compute ssh`
+    # made (TPU VMs authorize it through project or instance metadata)
+    keys = (opts.key,) if opts.key else tuple(dict.fromkeys(
+        p for p in (os.path.expanduser(k) for k in [*cfg.get("identityfile", []), GCLOUD_KEY]) if os.path.exists(p)))
     known = opts.known_hosts or os.path.expanduser(
         (cfg.get("userknownhostsfile") or "~/.ssh/known_hosts").split()[0])
     return Target(hostname=cfg.get("hostname", host.address),

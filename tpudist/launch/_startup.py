@@ -53,10 +53,17 @@ class AgentStartup:
         """CONNECTING: agents start on every host (or on `workers`) while the control server starts here."""
         port: concurrent.futures.Future[int] = concurrent.futures.Future()
         results: dict = {}
+        crashed: list[BaseException] = []  # the connecting thread's own failure, raised here
         if self.server is not None:  # a restart: the server runs
             port.set_result(self.control_port)
 
         def connect() -> None:
+            try:
+                _open()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the launcher's thread below
+                crashed.append(e)
+
+        def _open() -> None:
             results.update(open_agents(
                 self.cluster, python=python_env(self.config.procs).interpreter,
                 make_bootstrap=_bootstrap_for(self.token, preflight_paths(self.config)),
@@ -69,7 +76,7 @@ class AgentStartup:
         if self.cluster.local:
             if self.server is None:
                 self._start_server(port)
-            connect()
+            _open()
         else:
             connecting = threading.Thread(target=connect, name="tpudist-connect", daemon=True)
             connecting.start()
@@ -78,6 +85,8 @@ class AgentStartup:
             while connecting.is_alive():  # open_agents has its own deadline
                 connecting.join(timeout=0.1)
                 self._show_status()
+            if crashed:  # not a host's failure (those are results): never wait for agents that cannot come
+                raise crashed[0]
         self.agents.update({w: r for w, r in results.items() if not isinstance(r, Exception)})
         self.connected = len(self.agents)
         if self.interrupts:

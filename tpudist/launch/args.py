@@ -58,7 +58,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
     procs = p.add_argument_group("processes")
     procs.add_argument("--nproc-per-host", type=int, metavar="N",
-                       help="processes per host (default: the host's slots, the TPU's chips, else 1)")
+                       help="processes per host (default: the hostfile's slots, else 1; on a TPU 1 per worker, "
+                            "which drives all its chips; a TPU also takes its chips per worker: one per chip)")
     procs.add_argument("--cpu-devices", type=int, metavar="K", help="XLA CPU devices per process (CPU mesh)")
     procs.add_argument("--platform", choices=PLATFORMS,
                        help="the JAX platform (default: tpu on a TPU, cpu with --cpu-devices, else JAX's)")
@@ -84,7 +85,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ssh = p.add_argument_group("SSH (~/.ssh/config and the SSH agent are honoured)")
     ssh.add_argument("--ssh-user", metavar="USER")
     ssh.add_argument("--ssh-port", type=int, metavar="PORT")
-    ssh.add_argument("--ssh-key", metavar="FILE", help="private key (default: ~/.ssh/config, the agent, ~/.ssh/id_*)")
+    ssh.add_argument("--ssh-key", metavar="FILE",
+                     help="private key (default: ~/.ssh/config's IdentityFile, gcloud's "
+                          "~/.ssh/google_compute_engine, the agent, ~/.ssh/id_*)")
     ssh.add_argument("--ssh-config", metavar="FILE", default=SshOptions.config_path)
     ssh.add_argument("--known-hosts", metavar="FILE", help="known_hosts file (default: ~/.ssh/known_hosts)")
     ssh.add_argument("--accept-new-host-keys", action="store_true",

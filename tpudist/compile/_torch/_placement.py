@@ -5,6 +5,9 @@ A value is either replicated (the same on every device: parameters, optimizer st
 split (its rows divided over the devices in mesh order: the batch, `ShardedEmbedding` rows). The
 processes' devices must be contiguous along the axis (how `make_mesh({"data": -1})` lays it out),
 so that this process's rows are one contiguous block of the global array.
+
+Also here: a compiled module's staged inputs on the device its call computes on (`InputStaging`),
+and `device_report`, which device each path computes on (what `tpudist doctor` prints).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tpudist._buffers import HostBuffers, narrowed, torch_dtypes, torch_view
 from tpudist._jaxcompat import assemble, import_buffer
-from tpudist.compile._torch._convert import _cpu_device, to_jax
+from tpudist.compile._torch._convert import compute_device, to_jax, viewable
 
 AXIS = "data"
 BATCH_AXES = (AXIS, "fsdp")  # a sharded step splits the batch over whichever of these its mesh has
@@ -258,11 +261,14 @@ class InputStaging:
         self.checked, self._aliased = False, False
 
     @classmethod
-    def build(cls, tensors: list[torch.Tensor], slots: list[int]) -> InputStaging | None:
-        """Staging for `tensors[i]` of every i in `slots` (shapes and dtypes as now), or None where
-        one does not fit (too large, not on the CPU) or this platform would copy on import."""
-        placement = _one_device_placement()
-        if not slots or not all(Staging.fits(placement, tensors[i]) for i in slots):
+    def build(cls, tensors: list[torch.Tensor], slots: list[int], device: Any) -> InputStaging | None:
+        """Staging on `device` for `tensors[i]` of every i in `slots` (shapes and dtypes as now), or
+        None where one does not fit (too large, not on the CPU), `device` is not host memory torch
+        views (a TPU: each call copies its inputs there) or this platform would copy on import."""
+        if not slots or not viewable(device):
+            return None
+        placement = _one_device_placement(device)
+        if not all(Staging.fits(placement, tensors[i]) for i in slots):
             return None
         try:
             return cls(tuple(slots), Staging(placement, [tensors[i] for i in slots]),
@@ -299,11 +305,11 @@ class InputStaging:
             buffers.holds(o) for buffers in self._staging.sets) for o in outputs)
 
 
-@functools.lru_cache(maxsize=1)
-def _one_device_placement() -> Placement:
-    """A placement on this process's first CPU device alone (a compiled module's executables)."""
+@functools.lru_cache(maxsize=64)
+def _one_device_placement(device: Any) -> Placement:
+    """A placement on `device` alone (a compiled module's staged inputs)."""
     from jax.sharding import Mesh
-    return Placement(Mesh(np.array([_cpu_device()]), (AXIS,)))
+    return Placement(Mesh(np.array([device]), (AXIS,)))
 
 
 def _np_dtype(dtype: torch.dtype) -> Any:
@@ -317,3 +323,24 @@ def _on_device(piece: Any, device: Any, copy: bool = False) -> jax.Array:
         return to_jax(piece, copy=copy, device=device)
     array = import_buffer(piece, device) if device.platform == "cpu" else None
     return array if array is not None else jax.device_put(piece, device)
+
+
+def device_report() -> list[tuple[str, str]]:
+    """(path, the device it computes on and why) for each path of this process: the compiled module
+    and the dynamo backend (`compute_device`), the fused step's default mesh, the collectives.
+    What `tpudist doctor` prints."""
+    module = compute_device()
+    chosen = jax.config.jax_default_device
+    why = f"jax_default_device={chosen}" if chosen is not None else f"none set: first {jax.default_backend()} device"
+    crossing = ("torch's CPU tensors viewed in place" if viewable(module) else
+                "torch's CPU tensors copied there, parameters kept resident, results copied back")
+    devices, local = jax.devices(), jax.local_devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    shown = ", ".join(str(d) for d in devices[:4]) + (" ..." if len(devices) > 4 else "")
+    return [
+        ("tpudist.compile(module)", f"{module}: JAX's default device, read at each call ({why}); {crossing}; "
+                                    "CUDA tensors stay on their GPU"),
+        ("torch.compile(backend='tpudist')", f"{module}: as tpudist.compile(module)"),
+        ("fused step, default mesh", f"{len(devices)} device(s) of every process ({kinds}): {shown}"),
+        ("collectives", f"{local[0]}: this process's first device"),
+    ]

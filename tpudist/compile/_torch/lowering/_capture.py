@@ -158,7 +158,15 @@ def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.exp
     printed = io.StringIO()  # torch prints the partial graph of a failed export; not when recovered here
     try:
         with contextlib.redirect_stderr(printed), _observed.quiet():
-            return torch.export.export(flat, args, kwargs, strict=False), None
+            program = torch.export.export(flat, args, kwargs, strict=False)
+        if not _observed.has_data_dependent_length(program):
+            return program, None
+        try:  # x[mask] on inputs: specialised on the mask's count and guarded
+            return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward")
+        except CaptureError:
+            raise
+        except Exception:  # noqa: BLE001 - torch could not trace it so: _check_ops names the op and the rewrite
+            return program, None
     except Exception as exc:
         if not _observed.is_data_dependent(exc):
             raise

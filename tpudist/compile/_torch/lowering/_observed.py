@@ -5,7 +5,7 @@ XLA runs one executable of static shapes, so a value computed from the inputs (a
 at such a value, the forward is exported again with real-tensor propagation (what `draft_export`
 does): torch decides each data-dependent branch with the real values and records it as a run-time
 assertion. Those assertions, and the length of every data-dependent-shape result (`nonzero`,
-`masked_select`, then made static: `nonzero_static` of the observed length), become a `Guard`: a
+`masked_select`, `x[mask]`, then made static: `nonzero_static` of the observed length), become a `Guard`: a
 small torch program over the user's inputs, run on the host before each call; a value that changed
 makes the caller capture again (counted in `stats.recaptures`). Values a guard would need the
 parameters for (a branch on activations) cannot be checked before the call: a CaptureError names
@@ -31,6 +31,30 @@ from tpudist.compile._torch.lowering._outputs import FlatOutputs
 aten = torch.ops.aten
 _SHAPED = (aten.nonzero.default, aten.masked_select.default)
 _ASSERT = aten._assert_scalar.default
+_AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+
+
+def _boolean_mask(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The mask of `x[mask]` (aten.index.Tensor with one boolean index covering x's leading dims,
+    ELECTRA's `logits.view(-1)[active_loss]`), else None."""
+    if node.target is not aten.index.Tensor or len(node.args[1]) != 1 or not isinstance(node.args[1][0], torch.fx.Node):
+        return None
+    mask, x = node.args[1][0].meta.get("val"), node.args[0].meta.get("val")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or not isinstance(x, torch.Tensor):
+        return None
+    return node.args[1][0] if tuple(x.shape[:mask.ndim]) == tuple(mask.shape) else None
+
+
+def _shaped(node: torch.fx.Node) -> bool:
+    """Whether `node` is an op of data-dependent length that the capture makes static."""
+    return node.target in _SHAPED or _boolean_mask(node) is not None
+
+
+def has_data_dependent_length(program: torch.export.ExportedProgram) -> bool:
+    """Whether a plain export left an op of data-dependent length the capture can make static
+    (torch.export traces `x[mask]` with an unbacked length when nothing branches on it)."""
+    return any(_shaped(n) for gm in program.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+               for n in gm.graph.nodes if n.op == "call_function")  # (autocast regions are submodules)
 
 
 @dataclass
@@ -93,6 +117,10 @@ def export_observed(flat: torch.nn.Module, args: tuple, kwargs: dict,
     `name` (e.g. "Net.forward") opens the CaptureError of a value no guard can check."""
     with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), quiet():
         program = torch.export.export(flat, args, kwargs, strict=False)
+        if any(n.target is _AUTOCAST for n in program.graph.nodes):
+            # an autocast region is a submodule the guard cannot reach into: its casts made explicit
+            # (what the capture's decomposition does anyway), the data-dependent ops come to the top
+            program = program.run_decompositions({})
     leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))]
     try:
         guard = _guard(program, leaves)
@@ -117,9 +145,11 @@ def quiet() -> Any:
 def _guard(program: torch.export.ExportedProgram, leaves: list[Any]) -> Guard:
     graph = program.graph
     conditions = [n.args[0] for n in graph.nodes if n.target is _ASSERT and isinstance(n.args[0], torch.fx.Node)]
-    shaped = [n for n in graph.nodes if n.target in _SHAPED]
+    shaped = [n for n in graph.nodes if _shaped(n)]
     roots = conditions + shaped
-    needed = _ancestors(roots)
+    # x[mask]'s length is the mask's count: the guard computes nonzero(mask), never x (often activations)
+    masks = {n: m for n in shaped if (m := _boolean_mask(n)) is not None}
+    needed = _ancestors(roots, masks)
     specs = program.graph_signature.input_specs
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     leaf_of, leaf = {}, 0
@@ -143,6 +173,8 @@ def _guard(program: torch.export.ExportedProgram, leaves: list[Any]) -> Guard:
                 raise CaptureError(_needs_state_message(roots, node, None))
             env[node] = new.placeholder(node.name)
             used_leaves.append(leaf_of[node])
+        elif node in masks:  # its rows: as many as nonzero(mask)'s
+            env[node] = new.call_function(aten.nonzero.default, (env[masks[node]],))
         else:
             env[node] = new.node_copy(node, lambda n: env[n])
     new.output([env[n] for n in roots])
@@ -159,10 +191,19 @@ def _make_static(program: torch.export.ExportedProgram, lengths: list[int]) -> N
     assertions (the guard checks them)."""
     gm = program.graph_module
     graph = gm.graph
-    shaped = [n for n in graph.nodes if n.target in _SHAPED]
+    shaped = [n for n in graph.nodes if _shaped(n)]
     for node, size in zip(shaped, lengths):
         with graph.inserting_before(node):
-            if node.target is aten.nonzero.default:
+            mask = _boolean_mask(node)
+            if mask is not None:  # x[mask]: x's leading dims flattened, the observed rows selected
+                x = node.args[0]
+                rest = list(x.meta["val"].shape[mask.meta["val"].ndim:])
+                flat_x = graph.call_function(aten.reshape.default, (x, [-1, *rest]))
+                flat_mask = graph.call_function(aten.reshape.default, (mask, [-1]))
+                where = graph.call_function(aten.nonzero_static.default, (flat_mask,), {"size": size})
+                index = graph.call_function(aten.reshape.default, (where, [-1]))
+                static = graph.call_function(aten.index_select.default, (flat_x, 0, index))
+            elif node.target is aten.nonzero.default:
                 static = graph.call_function(aten.nonzero_static.default, (node.args[0],), {"size": size})
             else:
                 x, mask = node.args
@@ -183,7 +224,9 @@ def _make_static(program: torch.export.ExportedProgram, lengths: list[int]) -> N
     gm.recompile()
 
 
-def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
+def _ancestors(roots: list[torch.fx.Node], masks: dict[torch.fx.Node, torch.fx.Node] | None = None) -> set[torch.fx.Node]:
+    """Every node `roots` are computed from; an `x[mask]` in `masks` only from its mask."""
+    masks = masks or {}
     seen: set[torch.fx.Node] = set()
     stack = list(roots)
     while stack:
@@ -191,7 +234,7 @@ def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(node.all_input_nodes)
+        stack.extend([masks[node]] if node in masks else node.all_input_nodes)
     return seen
 
 

@@ -21,14 +21,15 @@ class XlaCall:
     """One call's state, shared by the Function's forward and the code that called it.
 
     executables: the graph's (see _executables.Executables); arrays: every tensor input as a JAX array;
-    diff: positions in `arrays` to differentiate; seed: the per-call RNG seed.
+    diff: positions in `arrays` to differentiate; seed: the per-call RNG seed; where: the device the
+    call computes on (its backward runs there too, beside the forward's residuals).
     After forward, `first` is one of the executable's outputs (to wait for it later) and `rest`
     holds the outputs that bypass autograd (non-float user outputs, buffer and input updates), in
     the graph's order of non-differentiable outputs.
     """
 
-    def __init__(self, executables: Any, arrays: list[jax.Array], diff: tuple[int, ...], seed: Any):
-        self.executables, self.arrays, self.diff, self.seed = executables, arrays, diff, seed
+    def __init__(self, executables: Any, arrays: list[jax.Array], diff: tuple[int, ...], seed: Any, where: Any):
+        self.executables, self.arrays, self.diff, self.seed, self.where = executables, arrays, diff, seed, where
         self.rest: list[jax.Array] = []
         self.first: jax.Array | None = None
 
@@ -40,12 +41,12 @@ class XlaFunction(torch.autograd.Function):
     def forward(ctx: Any, call: XlaCall, *diff_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # no explicit wait: converting an output to torch (here, and `rest` by the caller) waits
         # for the executable, after which XLA no longer reads the input views
-        primal, rest, vjp = call.executables.forward_with_vjp(call.diff, call.arrays, call.seed)
+        primal, rest, vjp = call.executables.forward_with_vjp(call.diff, call.arrays, call.seed, call.where)
         call.rest = list(rest)
         call.first = primal[0]
         ctx.packing = call.executables.packing(call.diff, call.arrays)
         call.arrays = None  # drop the input views: only the VJP's residuals stay alive
-        ctx.vjp, ctx.executables, ctx.diff = vjp, call.executables, call.diff
+        ctx.vjp, ctx.executables, ctx.diff, ctx.where = vjp, call.executables, call.diff, call.where
         ctx.input_dtypes = [t.dtype for t in diff_tensors]
         # outputs the loss does not use come back as None (not zeros): the inputs only they reach
         # get no gradient, as in eager torch
@@ -68,6 +69,6 @@ class XlaFunction(torch.autograd.Function):
         used = tuple(i for i, g in enumerate(grads) if g is not None)
         grads = [g if g is not None else torch.zeros(shape, dtype=dtype)
                  for g, (shape, dtype) in zip(grads, ctx.output_like)]
-        results = ctx.executables.backward(vjp, grads, ctx.packing, ctx.input_dtypes)
+        results = ctx.executables.backward(vjp, grads, ctx.packing, ctx.input_dtypes, ctx.where)
         reached = ctx.executables.reached(ctx.diff, used)
         return (None, *(g if keep else None for g, keep in zip(results, reached)))

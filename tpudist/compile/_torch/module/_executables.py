@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import to_jax, to_torch
+from tpudist.compile._torch._convert import Where, to_host, to_jax, to_torch
 from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured
@@ -50,9 +50,9 @@ class Executables:
         self._compiled_backward: dict[Any, Any] = {}
         self._packings: dict[tuple[int, ...], Packing] = {}
         self._reached: dict[tuple, tuple[bool, ...]] = {}
-        # fresh cotangents from torch's autograd: staged like the inputs (see InputStaging); None
-        # until the first backward decides, False where they are imported afresh
-        self._cotangent_staging: InputStaging | None | bool = None
+        # fresh cotangents from torch's autograd: staged like the inputs (see InputStaging), per
+        # device; absent until the first backward there decides, False where they are imported afresh
+        self._cotangent_staging: dict[Any, InputStaging | bool] = {}
         if self._spmd is None:
             self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
             self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
@@ -93,34 +93,42 @@ class Executables:
         _, vjp = jax.vjp(differentiable, [arrays[p] for p in diff])
         return _apply_vjp(vjp, cotangents)
 
-    def forward(self, arrays: list[jax.Array], seed: Any) -> list[jax.Array]:
-        """Every output of the graph, with no gradient plumbing (nothing to differentiate)."""
+    def forward(self, arrays: list[jax.Array], seed: Any, where: Where) -> list[Any]:
+        """Every output of the graph, with no gradient plumbing (nothing to differentiate), where
+        torch can view it (`where.host`: copied to the host)."""
         if self._spmd is None:
             result = self._forward(arrays, seed)
             self._observe(result)
-            return result
-        spmd = self._spmd
-        outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
-        return [spmd.to_local(o) for o in outs]
+        else:
+            spmd = self._spmd
+            outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
+            result = [spmd.to_local(o) for o in outs]
+        return _host_values(result) if where.host else result
 
-    def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any):
-        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff`, called
-        directly once compiled (jit's dispatch with a static argument costs tens of us a call)."""
+    def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any, where: Where):
+        """(floating outputs, other outputs, VJP closure): one XLA executable per `diff` and device,
+        called directly once compiled (jit's dispatch with a static argument costs tens of us a
+        call). The outputs are where torch can view them; the VJP's residuals stay on the device."""
         if self._spmd is None:
-            compiled = self._compiled_forward.get(diff)
+            key = (diff, where.device)
+            compiled = self._compiled_forward.get(key)
             if compiled is None:
-                compiled = self._compiled_forward[diff] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
-            result = compiled(arrays, seed)
-            self._observe(result)
-            return result
-        spmd = self._spmd
-        arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
-        outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
+                compiled = self._compiled_forward[key] = self._forward_with_vjp.lower(diff, arrays, seed).compile()
+            primal, rest, vjp = compiled(arrays, seed)
+            self._observe((primal, rest, vjp))
+        else:
+            spmd = self._spmd
+            arrays, seed = [spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed))
+            outs = [spmd.to_local(o) for o in self._forward(arrays, seed)]
 
-        def vjp(cotangents: list[jax.Array]) -> list[jax.Array]:
-            grads = self._backward(diff, arrays, seed, [spmd.to_global(c) for c in cotangents])
-            return [spmd.to_local(g) for g in grads]
-        return [outs[i] for i in self.floats], [outs[i] for i in self.rest], vjp
+            def vjp(cotangents: list[jax.Array]) -> list[jax.Array]:
+                grads = self._backward(diff, arrays, seed, [spmd.to_global(c) for c in cotangents])
+                return [spmd.to_local(g) for g in grads]
+            primal, rest = [outs[i] for i in self.floats], [outs[i] for i in self.rest]
+        if where.host:
+            crossed = _host_values([*primal, *rest])
+            primal, rest = crossed[:len(primal)], crossed[len(primal):]
+        return primal, rest, vjp
 
     def reached(self, diff: tuple[int, ...], used: tuple[int, ...]) -> tuple[bool, ...]:
         """Per differentiated input: whether the gradient of the floating outputs `used` (positions
@@ -142,34 +150,41 @@ class Executables:
         return packing
 
     def backward(self, vjp: Any, cotangents: list[torch.Tensor], packing: Packing | None,
-                 dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-        """Gradients of the differentiated inputs as torch tensors of `dtypes`: one XLA executable,
-        none for a scalar output whose cotangent is 1 (`loss.backward()`)."""
+                 dtypes: list[torch.dtype], where: Where) -> list[torch.Tensor]:
+        """Gradients of the differentiated inputs as torch tensors of `dtypes`: one XLA executable
+        on the forward's device (`where`, which holds the VJP's residuals), none for a scalar
+        output whose cotangent is 1 (`loss.backward()`)."""
+        device = where.device
         if isinstance(vjp, _Scaled):
             (cotangent,) = cotangents
             if cotangent.item() == 1:  # one number read (a device sync only where the loss is on one)
-                return packing.unpack(vjp.grads, dtypes)
-            return packing.unpack(self._scale(vjp.grads, to_jax(cotangent)), dtypes)
+                grads = vjp.grads
+            else:
+                grads = self._scale(vjp.grads, to_jax(cotangent, device=device))
+            return packing.unpack(_host_values(grads) if where.host else grads, dtypes)
         if self._spmd is not None:
-            return [to_torch(g, dtype) for g, dtype in zip(vjp([to_jax(g) for g in cotangents]), dtypes)]
-        staging = self._cotangent_staging
+            grads = vjp([to_jax(g, device=device) for g in cotangents])
+            return [to_torch(g, dtype) for g, dtype in zip(_host_values(grads) if where.host else grads, dtypes)]
+        staging = self._cotangent_staging.get(device)
         if staging is None:
-            staging = self._cotangent_staging = InputStaging.build(cotangents, list(range(len(cotangents)))) or False
+            staging = self._cotangent_staging[device] = InputStaging.build(
+                cotangents, list(range(len(cotangents))), device) or False
         staged = staging.acquire(cotangents) if staging and staging.fits(cotangents) else None
         grads = None
         try:
-            arrays = [staged[i] for i in range(len(cotangents))] if staged else [to_jax(g) for g in cotangents]
-            structure = jax.tree_util.tree_structure((vjp, arrays))
-            compiled = self._compiled_backward.get(structure)
+            arrays = ([staged[i] for i in range(len(cotangents))] if staged
+                      else [to_jax(g, device=device) for g in cotangents])
+            key = (jax.tree_util.tree_structure((vjp, arrays)), device)
+            compiled = self._compiled_backward.get(key)
             if compiled is None:
-                compiled = self._compiled_backward[structure] = self._backward.lower(vjp, arrays).compile()
+                compiled = self._compiled_backward[key] = self._backward.lower(vjp, arrays).compile()
             grads = compiled(vjp, arrays)
             if staged and not staging.checked:
                 staging.check(grads)
-            return packing.unpack(grads, dtypes)  # waits for the executable
+            return packing.unpack(_host_values(grads) if where.host else grads, dtypes)  # waits for the executable
         finally:
             if staged is not None and not staging.release(grads[0] if grads else None):
-                self._cotangent_staging = False
+                self._cotangent_staging[device] = False
 
     def count(self) -> int:
         """How many XLA executables have been compiled so far (0 where JAX cannot say)."""
@@ -184,6 +199,15 @@ class _Scaled:
     """The gradients of a scalar output for a cotangent of 1, standing in for its VJP closure."""
 
     grads: list[jax.Array]
+
+
+def _host_values(values: list[Any]) -> list[Any]:
+    """`values` with each array copied to the host in one transfer (`to_host`); others as they are."""
+    arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
+    out = list(values)
+    for i, array in zip(arrays, to_host([values[i] for i in arrays])):
+        out[i] = array
+    return out
 
 
 def _apply_vjp(vjp: Any, cotangents: list[jax.Array]) -> list[jax.Array]:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import ViewCache, to_jax, to_torch
+from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, where
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured, resolver
 from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
@@ -43,9 +43,11 @@ class Program:
         self._short = [i for i, long in enumerate(self._long_lived) if not long]
         self._writes_back = any(o.kind in ("buffer", "input") for o in captured.outputs)  # else all outputs are the user's
         self._mutated_inputs = [i for i, slot in enumerate(self._slots) if slot.kind == "input" and slot.mutated]
-        # small CPU inputs: copied into reused device buffers (see InputStaging); None until the
-        # first call decides, False where they are imported afresh
-        self._staging: InputStaging | None | bool = None
+        # small CPU inputs: copied into reused device buffers (see InputStaging), per device; absent
+        # until the first call there decides, False where they are imported afresh
+        self._stagings: dict[Any, InputStaging | bool] = {}
+        self._staging: InputStaging | bool = False  # the running call's
+        self._cuda: torch.device | None | bool = None  # the CUDA device of the module's tensors (False: CPU)
 
     def executables(self) -> int:
         """How many XLA executables this program has compiled so far (0 where JAX cannot say)."""
@@ -62,33 +64,37 @@ class Program:
                 raise RuntimeError(f"torch -> XLA: the compiled forward modifies its input {self._slots[i].name} "
                                    "in place while it requires grad; tpudist writes the new value back outside "
                                    "autograd. Modify a copy inside forward (x = x.clone()), or detach the input")
-        staging = self._staging
+        place = self._where(tensors)
+        device = place.device
+        staging = self._stagings.get(device)
         if staging is None:
-            staging = self._staging = self._input_staging(tensors) or False
+            staging = self._stagings[device] = self._input_staging(tensors, device) or False
+        self._staging = staging
         staged = staging.acquire(tensors) if staging else None
         executables, first = self._executables, None
         try:
             arrays: list[Any] = [None] * len(tensors)
-            if self._long:  # parameters and buffers: the views made before, checked all at once
-                for i, array in zip(self._long, self._views.get_all(self._long, [tensors[i] for i in self._long])):
+            if self._long:  # parameters and buffers: the arrays made before, checked all at once
+                longs = self._views.get_all(self._long, [tensors[i] for i in self._long], device)
+                for i, array in zip(self._long, longs):
                     arrays[i] = array
             for i in self._short:
                 arrays[i] = (staged[i] if staged is not None and i in staged
-                             else to_jax(tensors[i], copy=self._slots[i].mutated))
+                             else to_jax(tensors[i], copy=self._slots[i].mutated, device=device))
             seed = _seed() if self.captured.has_random else np.uint32(0)
             outputs: list[Any] = [None] * len(self.captured.outputs)
             if diff and executables.floats:
-                call = XlaCall(executables, arrays, diff, seed)
+                call = XlaCall(executables, arrays, diff, seed, place)
                 floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
                 rest, first = call.rest, call.first
             else:
                 # converting an output to torch waits for it; by then XLA is done reading the inputs
-                results = executables.forward(arrays, seed)
+                results = executables.forward(arrays, seed, place)
                 floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in executables.floats]
                 rest, first = [results[i] for i in executables.rest], results[0] if results else None
         finally:
             if staged is not None and not staging.release(first):
-                self._staging = False  # unsafe to reuse (see InputStaging.release): import afresh from now on
+                self._stagings[device] = False  # unsafe to reuse (see InputStaging.release): import afresh from now on
         for i, value in zip(executables.floats, floats):
             outputs[i] = value
         for i, value in zip(executables.rest, rest):
@@ -96,12 +102,21 @@ class Program:
             outputs[i] = to_torch(value, slot.dtype) if slot.dtype is not None else value
         return self._finish(outputs, leaves, tensors)
 
-    def _input_staging(self, tensors: list[torch.Tensor]) -> InputStaging | None:
+    def _where(self, tensors: list[torch.Tensor]) -> Where:
+        """Where this call computes: on the GPU of a module whose tensors are CUDA tensors (fixed by
+        the first call: a signature's input devices are part of its cache key), else on JAX's
+        default device as it is at this call (`_convert.compute_device`)."""
+        cuda = self._cuda
+        if cuda is None:
+            cuda = self._cuda = next((t.device for t in tensors if t.device.type == "cuda"), False)
+        return where(cuda or None)
+
+    def _input_staging(self, tensors: list[torch.Tensor], device: Any) -> InputStaging | None:
         if self.captured.collective or not self.captured.outputs:
             return None
         slots = [i for i, slot in enumerate(self._slots)
                  if slot.kind == "input" and not slot.mutated and not self._long_lived[i]]
-        return InputStaging.build(tensors, slots)
+        return InputStaging.build(tensors, slots, device)
 
     def _check_staging(self, result: Any) -> None:
         """Sees every output of an executable call, residuals included: those of the first staged
