@@ -9,8 +9,8 @@ through the op registry, and wrapped in a per-device body (`_body`) run under `s
 "data" axis of every device of every process: one `_signature.Signature` per batch signature.
 The parameters, optimizer state and updated buffers stay on the devices between steps
 (`_state.Mirror`); torch's objects see them on demand, through `state_dict()`, eager calls,
-`load_state_dict()` and `step.sync()`. A step hands the batch to the executable and launches it:
-it returns the loss without waiting (`_lazy.LazyScalar`).
+`load_state_dict()`, `step.sync()` and any read of a trained tensor (`_stale`). A step hands the
+batch to the executable and launches it: it returns the loss without waiting (`_lazy.LazyScalar`).
 
 `TrainStep` owns the step's lifecycle: a signature's call returns the executable's
 `StepOutputs` (new state, updated buffers, loss, key, flag), and `TrainStep` alone applies them
@@ -254,10 +254,11 @@ class TrainStep:
             self.mirror = Mirror(self.model, self.optimizer, self.layout, self.placement)
             self._programs.clear()
         examples = _examples(leaves, keys, rows // (self.local_devices * self.accumulate_steps), self.placement)
-        program = Signature(self._objective, tree_unflatten(examples, spec), layout=self.layout, mirror=self.mirror,
-                            placement=self.placement, accumulate=self.accumulate_steps,
-                            max_grad_norm=self.max_grad_norm, name=type(self.model).__name__,
-                            on_compile=self.stats.compiled)
+        with self.mirror.unmarked():  # the capture traces the model: plain tensors, stale values are fine
+            program = Signature(self._objective, tree_unflatten(examples, spec), layout=self.layout,
+                                mirror=self.mirror, placement=self.placement, accumulate=self.accumulate_steps,
+                                max_grad_norm=self.max_grad_norm, name=type(self.model).__name__,
+                                on_compile=self.stats.compiled)
         self._programs[key] = program
         self.stats.capture_seconds += program.capture_seconds
         self.stats.compiles += 1
@@ -363,10 +364,11 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
 
     State lives on the devices: parameters, optimizer state and BatchNorm statistics stay device
     arrays between steps, and no step copies anything to the host. The model and optimizer see the
-    current values when read through `model.state_dict()`, `optimizer.state_dict()`, an eager call
-    of the model, or `step.sync()`; `load_state_dict()` and changes made from torch after such a
-    read are used by the next step. The step returns its loss without waiting (a `LazyScalar`;
-    reading it waits). `tpudist.device_loader` moves batches to the devices ahead of the step.
+    current values when read: through `model.state_dict()`, `optimizer.state_dict()`, an eager call
+    of the model, `step.sync()`, or any torch read of a trained tensor (`p.data`, `p.clone()`,
+    `optimizer.state[p]`: the first one syncs); `load_state_dict()` and changes made from torch
+    after such a read are used by the next step. The step returns its loss without waiting (a
+    `LazyScalar`; reading it waits). `tpudist.device_loader` moves batches to the devices ahead of the step.
 
     `accumulate_steps=K` splits each device's share of the batch into K micro-batches, run one after
     another inside the executable, and averages their gradients before one update: the same update

@@ -9,10 +9,14 @@ through a door:
 - `model.load_state_dict()` / `optimizer.load_state_dict()` first sync, then make the torch
   values the truth: the next step uploads them.
 
+Any other read of those tensors through torch is a door too: after a step they wear a stale
+class (`_stale`) whose `__torch_function__` syncs first, so `p.data`, `p.clone()`,
+`torch.allclose(p, q)` or `optimizer.state[p]["exp_avg"]` see the newest values. The classes go
+on at the first step after a sync and come off at the sync.
+
 After a sync, torch may change what it now holds (`with torch.no_grad(): p.add_(1)`, a new
 optimizer state tensor, an eager forward updating BatchNorm statistics); the first step after a
-sync uploads what changed. Reading a parameter without a door (`p.data` right after a step) sees
-the values of the last sync.
+sync uploads what changed.
 
 Crossing to the host is `to_host` (counted in `crossings`): a zero-copy view where torch can see
 the device's memory (CPU), else one device-to-host copy; `TPUDIST_TORCH_HOST_VIEW=0` (or
@@ -21,9 +25,11 @@ the device's memory (CPU), else one device-to-host copy; `TPUDIST_TORCH_HOST_VIE
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -33,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tpudist import contract
 from tpudist._buffers import torch_view
-from tpudist.compile._torch.train import _optim
+from tpudist.compile._torch.train import _optim, _stale
 from tpudist.compile._torch import _sync
 from tpudist.compile._torch.train._device import DeviceState, crossings
 from tpudist.compile._torch.train._meta import hollow
@@ -68,6 +74,8 @@ class Mirror(DeviceState):
         super().__init__(model, optimizer, layout, placement)
         self._hooks = _install_hooks(self, model, optimizer)
         self._peers = _sync.register(model, self)  # every mirror of this model, this one included
+        self._stale_classes = _stale.classes_for()
+        self._marked: list[torch.Tensor] | None = None  # torch's tensors wearing a stale class now
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -98,17 +106,79 @@ class Mirror(DeviceState):
         self.preloaded = arrays
         self.prepare()
         self.torch_current = False
+        self._mark()
+
+    def stepped(self, params: list[jax.Array], states: list[tuple[jax.Array, ...]], counts: jax.Array,
+                holder: Any) -> None:
+        super().stepped(params, states, counts, holder)
+        if self._marked is None:  # the first step since a sync: torch's tensors are stale from now on
+            self._mark()
+
+    # -- stale classes (see _stale) -----------------------------------------------------------------
+
+    def _mark(self) -> None:
+        """Marks torch's tensors of the state stale: the trained parameters, their optimizer state,
+        the buffers a graph updates, and the optimizer's `state` dict; the first read syncs."""
+        optimizer_state = self.optimizer.state
+        tensors = []
+        for entry in self.layout.entries:
+            tensors.append(entry.param)
+            tensors += [v for v in optimizer_state.get(entry.param, {}).values() if isinstance(v, torch.Tensor)]
+        tensors += [self.named_sources[key]() for key in self.updated_keys]
+        self._marked = _stale.mark(tensors, self._stale_classes, self)
+        if getattr(self.optimizer.state, "_stale_owner", None) is not self:
+            self.optimizer.state = _stale.StaleState(self, self.optimizer.state)
+
+    def _unmark(self) -> None:
+        if self._marked is None:
+            return
+        _stale.unmark(self._marked, self._stale_classes)
+        self._marked = None
+        state = self.optimizer.state
+        if isinstance(state, _stale.StaleState) and state._stale_owner is self:
+            self.optimizer.state = _stale.settled(state)
+
+    @contextlib.contextmanager
+    def unmarked(self) -> Iterator[None]:
+        """torch's plain classes on this model's tensors for the duration, their values left as
+        they are: a capture (torch.export) traces the model and must see plain tensors."""
+        marked = [m for m in list(self._peers) if isinstance(m, Mirror) and m._marked is not None]
+        for mirror in marked:
+            mirror._unmark()
+        try:
+            yield
+        finally:
+            for mirror in marked:
+                if not mirror.torch_current:
+                    mirror._mark()
 
     # -- torch's view ----------------------------------------------------------------------------
 
     def sync(self) -> None:
         """Writes the device values into the model's parameters and buffers and the optimizer's
         state (one crossing per array; nothing to do when torch is already current)."""
+        self._unmark()  # plain classes first: the writes below must not come back here
         if self.torch_current or not self.device_current:
             return  # torch holds the newest values already
         from tpudist import _profile
-        with _profile.span("tpudist.torch_sync", arrays=len(self.layout)):
-            self._sync()
+        try:
+            with _profile.span("tpudist.torch_sync", arrays=len(self.layout)):
+                self._sync()
+        except BaseException:
+            self._mark()  # still stale: a later read tries again
+            raise
+
+    def stale_read(self) -> None:
+        """A read through torch of a tensor the steps left stale (see `_stale`): syncs, unless the
+        sync is a collective (sharded over processes), which one process's read cannot start."""
+        if self.placement.spmd and jax.process_count() > 1 and any(
+                tuple(self.placement.param_split(e)) for e in self.layout.entries):
+            raise RuntimeError(
+                f"rank {jax.process_index()}: a tensor that the sharded fused step trains was read after a step "
+                f"and before a door; its newest values are sharded over {jax.process_count()} processes and "
+                "gathering them is a collective every process must join: call step.sync() (or model.state_dict()) "
+                "on every process first")
+        self.sync()
 
     def _sync(self) -> None:
         self.flush_holder()
@@ -121,7 +191,7 @@ class Mirror(DeviceState):
                 if hollow(p):  # initialised on the devices only (_meta): torch gets its own tensor now
                     p.data = _fresh(value, p.dtype)
                 else:
-                    _write(p.data, value)
+                    _write(p, value)  # (not p.data: its version counter tells the other steps of this model)
                 if not cfg.state or (cfg.kind == _optim.OptimizerKind.SGD and counts[i] == 0):
                     continue  # torch keeps no state for it (yet)
                 state = optimizer_state[p]
@@ -131,8 +201,12 @@ class Mirror(DeviceState):
                         _write(state[field], value)
                     else:
                         state[field] = _fresh(value, p.dtype)
-                if cfg.kind == _optim.OptimizerKind.ADAM:
-                    state["step"] = torch.tensor(float(counts[i]), dtype=torch.float32)
+                if cfg.kind == _optim.OptimizerKind.ADAM:  # in place, as torch.optim counts (one held sees it)
+                    step = state.get("step")
+                    if isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point():
+                        step.fill_(float(counts[i]))
+                    else:
+                        state["step"] = torch.tensor(float(counts[i]), dtype=torch.float32)
             for key in self.updated_keys:  # the rest of `named` is what torch uploaded, unchanged
                 _write(self.named_sources[key](), self._host(self.named[key], False))
         self._remember_torch([float(c) for c in counts])
@@ -165,6 +239,7 @@ class Mirror(DeviceState):
     def load_tree(self, tree: dict[str, Any]) -> None:
         """Makes `tree` (from `state_tree`, restored with its shardings) the training state: the
         device arrays directly, the buffers through torch (small; uploaded by the next step)."""
+        self._unmark()  # torch's values are replaced, not read: no sync
         self.flush_holder()
         self.pool.set(list(tree["params"]), [tuple(s) for s in tree["optimizer"]])
         self.counts = tree["counts"]
@@ -178,6 +253,7 @@ class Mirror(DeviceState):
         self.generation += 1
         self.device_current = True
         self.torch_current = False  # torch's parameters and optimizer state: at the next door
+        self._mark()
 
 
 def host_value(placement: "Placement", array: jax.Array, split: bool) -> HostValue:
@@ -211,18 +287,7 @@ def _fresh(value: HostValue, dtype: torch.dtype) -> torch.Tensor:
 def _install_hooks(mirror: Mirror, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
     """The doors: hooks that sync before torch reads the state and hand the truth to torch after it
     loads new state. They hold the mirror weakly (a dropped step leaves only inert hooks)."""
-    ref = weakref.ref(mirror)
-
-    def sync(*_: Any, **__: Any) -> None:
-        target = ref()
-        if target is not None and not _exporting():
-            target.sync()
-
-    def loaded(*_: Any, **__: Any) -> None:
-        target = ref()
-        if target is not None:
-            target.torch_changed()
-
+    sync, loaded = _Door(mirror, "sync"), _Door(mirror, "loaded")
     handles = [optimizer.register_state_dict_pre_hook(sync),
                optimizer.register_load_state_dict_pre_hook(sync),
                optimizer.register_load_state_dict_post_hook(loaded)]
@@ -230,6 +295,30 @@ def _install_hooks(mirror: Mirror, model: torch.nn.Module, optimizer: torch.opti
         handles += [module.register_state_dict_pre_hook(sync), module.register_load_state_dict_pre_hook(sync),
                     module.register_load_state_dict_post_hook(loaded), module.register_forward_pre_hook(sync)]
     return handles
+
+
+class _Door:
+    """One hook of `_install_hooks`: `sync` (before torch reads) or `loaded` (after it loads). A
+    pickled or deep-copied model carries it inert (the copy is not trained by the step)."""
+
+    def __init__(self, mirror: Mirror | None, action: str):
+        self._ref = weakref.ref(mirror) if mirror is not None else lambda: None
+        self._action = action
+
+    def __call__(self, *_: Any, **__: Any) -> None:
+        target = self._ref()
+        if target is None:
+            return
+        if self._action == "loaded":
+            target.torch_changed()
+        elif not _exporting():
+            target.sync()
+
+    def __reduce__(self) -> tuple:
+        return (_Door, (None, self._action))
+
+    def __deepcopy__(self, memo: dict) -> "_Door":
+        return _Door(None, self._action)
 
 
 def _exporting() -> bool:
