@@ -162,7 +162,7 @@ def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.exp
         if not _observed.has_data_dependent_length(program):
             return program, None
         try:  # x[mask] on inputs: specialised on the mask's count and guarded
-            return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward")
+            return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward", program)
         except CaptureError:
             raise
         except Exception:  # noqa: BLE001 - torch could not trace it so: _check_ops names the op and the rewrite

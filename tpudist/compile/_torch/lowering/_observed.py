@@ -111,12 +111,15 @@ def is_data_dependent(exc: BaseException) -> bool:
     return False
 
 
-def export_observed(flat: torch.nn.Module, args: tuple, kwargs: dict,
-                    name: str) -> tuple[torch.export.ExportedProgram, Guard]:
+def export_observed(flat: torch.nn.Module, args: tuple, kwargs: dict, name: str,
+                    program: torch.export.ExportedProgram | None = None) -> tuple[torch.export.ExportedProgram, Guard]:
     """torch.export with the real values deciding data-dependent branches; the graph made static.
-    `name` (e.g. "Net.forward") opens the CaptureError of a value no guard can check."""
+    `name` (e.g. "Net.forward") opens the CaptureError of a value no guard can check. `program`: a
+    plain export that went through with a data-dependent length (`x[mask]` that nothing branches
+    on), specialised as it is (torch's real-value propagation fails on some of those)."""
     with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), quiet():
-        program = torch.export.export(flat, args, kwargs, strict=False)
+        if program is None:
+            program = torch.export.export(flat, args, kwargs, strict=False)
         if any(n.target is _AUTOCAST for n in program.graph.nodes):
             # an autocast region is a submodule the guard cannot reach into: its casts made explicit
             # (what the capture's decomposition does anyway), the data-dependent ops come to the top
