@@ -1,13 +1,18 @@
 """Every OpInfo of torch's database through `tpudist.compile`, against eager torch (opinfo_harness.py).
 
 One test per OpInfo: its outcome per stage (forward, gradient, bfloat16 forward) must be the one
-`opinfo_expected.csv` records, in either direction: a stage that starts passing fails the test
-until the table says so, so coverage only grows and every fix updates the table. A wrong value
-fails whatever the table says. After a change to the lowerings:
+the running torch's table records (`opinfo_expected.csv` for the suite's torch, whose first line
+names it; `opinfo_expected_<minor>.csv` for another release, e.g. `opinfo_expected_2.14.csv`), in
+either direction: a stage that starts passing fails the test until the table says so, so coverage
+only grows and every fix updates the table. A wrong value (a compiled result that differs from
+eager torch's without an error) fails whatever the table says, and no table can record one. After a
+change to the lowerings, with each torch release:
 
     TPUDIST_OPINFO_UPDATE=1 ./scripts/test tests/compile/test_opinfo.py
+    TPUDIST_OPINFO_UPDATE=1 ./scripts/test-compat 2.14.1 tests/compile/test_opinfo.py
 
-rewrites the table (the rows run) and the tables generated from it in docs/torch.md and docs/ops.md.
+rewrites that release's table (the rows run); the suite's table also rewrites the tables generated
+from it in docs/torch.md and docs/ops.md.
 
 The checks run in `TPUDIST_OPINFO_WORKERS` processes (default: one per core, at most 2), started
 when the module starts and fed one OpInfo at a time; each test waits for its own OpInfo's result.
@@ -33,7 +38,8 @@ UPDATE = os.environ.get("TPUDIST_OPINFO_UPDATE") == "1"
 WORKERS = int(os.environ.get("TPUDIST_OPINFO_WORKERS", min(2, os.cpu_count() or 1)))
 RESULT_TIMEOUT = 600  # seconds a test waits for its OpInfo's result (the workers may be busy with others first)
 OPS = harness.opinfos()
-EXPECTED = harness.read_table() if harness.TABLE.exists() else {}
+TABLE = harness.running_table()
+EXPECTED = harness.read_table(TABLE) if TABLE.exists() else {}
 _observed: dict[str, dict[str, str]] = {}
 
 
@@ -43,8 +49,9 @@ def _update_table():
     if UPDATE and _observed:
         table = {name: row for name, row in EXPECTED.items() if name in OPS}
         table.update(_observed)
-        harness.write_table(table)
-        _write_docs(table)
+        harness.write_table(table, TABLE)
+        if TABLE == harness.TABLE:
+            _write_docs(table)
 
 
 def _write_docs(table: dict[str, dict[str, str]]) -> None:
@@ -77,13 +84,13 @@ def results(request):
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_opinfo(name, results):
     outcome = results[name].result(timeout=RESULT_TIMEOUT)
-    _observed[name] = outcome
-    wrong = [f"{stage}: {value}" for stage, value in outcome.items() if value.startswith("WRONG")]
+    wrong = [f"{stage}: {outcome[stage]}" for stage in harness.STAGES if harness.is_wrong(outcome[stage])]
     assert not wrong, f"{name}: a wrong value without an error: {wrong}"
+    _observed[name] = outcome  # (only now: an update never writes a wrong value into the table)
     if UPDATE:
         return
     expected = EXPECTED.get(name)
-    assert expected is not None, f"{name} is not in {harness.TABLE.name}; run with TPUDIST_OPINFO_UPDATE=1"
+    assert expected is not None, f"{name} is not in {TABLE.name}; run with TPUDIST_OPINFO_UPDATE=1"
     changed = [f"{stage}: now {outcome[stage]!r}, the table says {expected[stage]!r}"
                for stage in harness.STAGES if outcome[stage] != expected[stage]]
     assert not changed, (f"{name}: {'; '.join(changed)}. If this is a fix, rerun with TPUDIST_OPINFO_UPDATE=1 "
@@ -91,8 +98,24 @@ def test_opinfo(name, results):
 
 
 def test_the_table_lists_every_opinfo_and_the_docs_are_generated_from_it():
-    assert set(EXPECTED) == set(OPS), (f"not in the table: {sorted(set(OPS) - set(EXPECTED))[:10]}; no longer "
-                                       f"OpInfos: {sorted(set(EXPECTED) - set(OPS))[:10]}")
+    assert TABLE.exists(), f"no expected table for torch {harness.torch_minor()}: run with TPUDIST_OPINFO_UPDATE=1"
+    assert set(EXPECTED) == set(OPS), (f"{TABLE.name}: not in the table: {sorted(set(OPS) - set(EXPECTED))[:10]}; "
+                                       f"no longer OpInfos: {sorted(set(EXPECTED) - set(OPS))[:10]}")
+    documented = harness.read_table()  # the suite's torch, whichever runs
     torch_md = (harness.DOCS / "torch.md").read_text()
-    assert harness.render_summary(EXPECTED) in torch_md, "docs/torch.md's Ops table is stale: regenerate it"
-    assert (harness.DOCS / "ops.md").read_text() == harness.render_full(EXPECTED), "docs/ops.md is stale"
+    assert harness.render_summary(documented) in torch_md, "docs/torch.md's Ops table is stale: regenerate it"
+    assert (harness.DOCS / "ops.md").read_text() == harness.render_full(documented), "docs/ops.md is stale"
+
+
+def test_no_table_can_expect_a_wrong_value(tmp_path):
+    # a silent mismatch is reported as "WRONG: ...": the test fails on it, an update does not write
+    # it, and a table edited by hand to expect it does not load
+    path = tmp_path / "opinfo_expected.csv"
+    row = {"forward": "pass", "gradient": "WRONG: gradient 0: compiled is 1.2e+00 from float64", "bf16": "n/a",
+           "aten": ""}
+    with pytest.raises(ValueError, match="wrong values for add"):
+        harness.write_table({"add": row}, path)
+    harness.write_table({"add": {**row, "gradient": "pass"}}, path)
+    path.write_text(path.read_text().replace(",pass,pass,", ",pass,WRONG: by hand,"))
+    with pytest.raises(ValueError, match="never an expected outcome"):
+        harness.read_table(path)

@@ -655,6 +655,17 @@ def test_a_length_computed_from_the_inputs_is_specialised_on_it_and_guarded(fn):
     assert cm.stats.recaptures == 1
 
 
+def test_masked_select_that_broadcasts_x_against_the_mask_matches_eager():
+    # (torch's shape function bounds the length by the mask's numel, not the broadcast's: the
+    # guard's check of that bound fails, so each call captures again; the values stay eager's)
+    def fn(x):
+        return torch.masked_select(x.view(7, 1), x > 0)
+    cm = tpudist.compile(Fn(fn))
+    x = randn(7)
+    for value in (x, x.flip(0), x.abs()):
+        torch.testing.assert_close(cm(value), fn(value))
+
+
 def test_grouped_matmul_of_mixture_of_experts_matches_eager():
     """torch._grouped_mm (F.grouped_mm) as MoE layers call it: rows sorted by expert, offsets the
     cumulative row counts, an expert with no rows.

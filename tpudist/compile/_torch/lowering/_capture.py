@@ -113,8 +113,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
                         f"them with torch (torch.rand / torch.bernoulli), or turn that option off{where}.")
         except _custom_grad.CustomGradError as exc:
             raise _custom_grad_error(exc, where) from None
-        except CaptureError:
-            raise  # a custom Function's own capture, already explained
+        except (CaptureError, UnsupportedOpError):
+            raise  # a custom Function's own capture, or an output tpudist cannot return: already explained
         except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
             raise CaptureError(
                 f"torch -> XLA: torch.export could not trace {type(module).__name__}.forward for inputs "

@@ -156,6 +156,7 @@ def _lower_call(*args: Any) -> list[Any]:
     import jax
     import jax.numpy as jnp
 
+    from tpudist.compile._torch.lowering.ops._util import custom_vjp
     key, call_id, tensors = args if len(args) == 3 else (None, *args)
     call = _CALLS[call_id]
     n_out = len(call.output_dtypes)
@@ -164,7 +165,7 @@ def _lower_call(*args: Any) -> list[Any]:
         outs = call.forward_fn(list(tensors), key)
         return tuple(outs[:n_out]), tuple(outs[n_out:])
 
-    @jax.custom_vjp
+    @custom_vjp  # (jax.custom_vjp that holds inside the fused step's shard_map)
     def function(key: Any, tensors: tuple) -> tuple:
         return forward(key, tensors)[0]
 

@@ -209,9 +209,10 @@ def _make_static(program: torch.export.ExportedProgram, lengths: list[int]) -> N
             elif node.target is aten.nonzero.default:
                 static = graph.call_function(aten.nonzero_static.default, (node.args[0],), {"size": size})
             else:
-                x, mask = node.args
-                x = graph.call_function(aten.expand.default, (x, list(torch.broadcast_shapes(
-                    x.meta["val"].shape, mask.meta["val"].shape))))
+                x, mask = node.args  # masked_select broadcasts x and mask against each other
+                shape = list(torch.broadcast_shapes(x.meta["val"].shape, mask.meta["val"].shape))
+                x = graph.call_function(aten.expand.default, (x, shape))
+                mask = graph.call_function(aten.expand.default, (mask, shape))
                 flat_mask = graph.call_function(aten.reshape.default, (mask, [-1]))
                 where = graph.call_function(aten.nonzero_static.default, (flat_mask,), {"size": size})
                 index = graph.call_function(aten.reshape.default, (where, [-1]))

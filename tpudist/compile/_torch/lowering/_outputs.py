@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tpudist.compile._torch.lowering._table import UnsupportedOpError
+
 _MAX_DEPTH = 12  # objects nest a few levels (cache -> layers -> tensors); deeper is not output data
 
 
@@ -70,6 +72,12 @@ def flatten(value: Any) -> tuple[list[torch.Tensor], Template]:
 
 
 def _describe(value: Any, tensors: list[torch.Tensor], depth: int, seen: set[int]) -> Any:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # a value read out of a tensor while tracing (`.item()`): kept, it would be the symbol itself
+        raise UnsupportedOpError(
+            f"torch -> XLA: the forward returns a Python {type(value).__name__[3:].lower()} computed from a "
+            f"tensor's values ({value}: .item(), .tolist(), int() or float() of a tensor); a compiled module "
+            "returns tensors: return the tensor and call .item() on the result")
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _Slot(len(tensors) - 1)

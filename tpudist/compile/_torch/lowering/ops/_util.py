@@ -1,14 +1,16 @@
-"""Small helpers shared by the op families: dim normalization, argument checks, torch's sign and
-float promotion."""
+"""Small helpers shared by the op families: dim normalization, argument checks, torch's sign,
+float promotion, and custom VJPs that hold inside shard_map."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tpudist._jaxcompat import varying_axes
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, register
 
 
@@ -67,3 +69,55 @@ def _up(value: Any) -> Any:
     if getattr(value, "dtype", None) in (jnp.bfloat16, jnp.float16) and hasattr(value, "astype"):
         return value.astype(jnp.float32)
     return value
+
+
+class custom_vjp:  # noqa: N801  (used as jax.custom_vjp is: a decorator, then .defvjp(fwd, bwd))
+    """`jax.custom_vjp` that also holds inside shard_map (the fused train step).
+
+    There every value carries the mesh axes it varies over, and JAX requires each cotangent a bwd
+    rule returns to vary exactly as its primal input does. A bwd rule computes its cotangents from
+    the output's cotangent, which varies wherever any input does, so an input that does not vary
+    (a constant: the zeros `max_unpool` scatters into) gets a varying cotangent, and one computed
+    without the output's cotangent (zeros) may vary too little. So the array arguments are made
+    to vary alike before the call (outside the custom VJP, where JAX's autodiff transposes the cast
+    into the sum over those axes, as for any op mixing such values), and each cotangent is made to
+    vary over those axes too.
+
+        @functools.partial(custom_vjp, nondiff_argnums=(1,))
+        def f(x, axis): ...
+        f.defvjp(f_fwd, f_bwd)   # the signatures jax.custom_vjp takes
+    """
+
+    def __init__(self, fn: Callable[..., Any], nondiff_argnums: tuple[int, ...] = ()):
+        functools.update_wrapper(self, fn)
+        self._nondiff = frozenset(nondiff_argnums)
+        # the axes travel as one more static (nondiff) argument, first
+        self._vjp = jax.custom_vjp(lambda axes, *args: fn(*args),
+                                   nondiff_argnums=(0, *(i + 1 for i in nondiff_argnums)))
+
+    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+        def backward(axes: tuple[str, ...], *rest: Any) -> tuple:
+            cotangents = bwd(*rest)
+            return jax.tree_util.tree_map(lambda c: _vary(c, axes), tuple(cotangents))
+        self._vjp.defvjp(lambda axes, *args: fwd(*args), backward)
+
+    def __call__(self, *args: Any) -> Any:
+        dynamic = [a for i, a in enumerate(args) if i not in self._nondiff]
+        axes = tuple(sorted(frozenset().union(*(varying_axes(x) for x in _arrays(dynamic)))))
+        args = tuple(a if i in self._nondiff else jax.tree_util.tree_map(lambda x: _vary(x, axes), a)
+                     for i, a in enumerate(args))
+        return self._vjp(axes, *args)
+
+
+def _arrays(tree: Any) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+def _vary(x: Any, axes: tuple[str, ...]) -> Any:
+    """`x` marked as varying over `axes` (besides its own); anything but a numeric JAX array as it is."""
+    if not axes or not isinstance(x, jax.Array):
+        return x
+    if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):
+        return x  # a float0 cotangent, a PRNG key
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 
 from tpudist.compile._torch._custom_ops import ATTENTION
 from tpudist.compile._torch.lowering._table import keep_whole, register
-from tpudist.compile._torch.lowering.ops._util import in_float32
+from tpudist.compile._torch.lowering.ops._util import in_float32, unsupported_arg
 from tpudist.compile._torch.lowering.ops.linalg import accumulation
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _has_dropout(node) -> bool:
     return float(node.args[4]) > 0.0
 
@@ -54,20 +55,49 @@ def _scores_shape(q, k):
 
 
 def _math(key, q, k, v, mask, dropout_p, causal, scale):
+    k, v = _shared(q, k, v)
+    scores = _scores(q, k, mask, causal, scale)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    if key is not None and dropout_p > 0:
+        kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
+        weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)
+    return jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
+
+
+def _shared(q, k, v):
+    """k and v with each head repeated for the query heads that share it (grouped-query attention)."""
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
+    return k, v
+
+
+def _scores(q, k, mask, causal, scale):
     scores = jnp.einsum("...le,...se->...ls", q, k, **accumulation(q, k)) * scale
     length, source = q.shape[-2], k.shape[-2]
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((length, source), bool)), scores, -jnp.inf)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf) if mask.dtype == jnp.bool_ else scores + mask.astype(scores.dtype)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    if key is not None and dropout_p > 0:
-        kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
-        weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)
-    return jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
+    return scores
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def flash_attention_for_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """torch's CPU attention kernel called by name: (output, the log-sum-exp of each query's scores).
+    Kept whole: torch's decomposition returns the attention weights in the log-sum-exp's place."""
+    if dropout_p > 0:
+        raise unsupported_arg("aten._scaled_dot_product_flash_attention_for_cpu", f"dropout_p={dropout_p} "
+                              "(torch's decomposition refuses it too); call F.scaled_dot_product_attention")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = _math(None, q, k, v, attn_mask, 0.0, is_causal, scale)
+    k, _ = _shared(q, k, v)
+    scores = _scores(q, k, attn_mask, is_causal, scale).astype(jnp.promote_types(q.dtype, jnp.float32))
+    # torch's kernel returns it for its own backward only: not differentiable
+    return out, jax.lax.stop_gradient(jax.nn.logsumexp(scores, axis=-1))
+
+
+keep_whole(aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
 @register(aten._safe_softmax.default)

@@ -10,10 +10,11 @@ import numpy as np
 from jax import lax
 
 from tpudist.compile._torch.lowering._table import register
-from tpudist.compile._torch.lowering.ops._util import unsupported_arg
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, unsupported_arg
 from tpudist.compile._torch.lowering.ops.linalg import accumulation, with_bias
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _per_dim(value, n):
     value = [value] if isinstance(value, int) else list(value)
     return value * n if len(value) == 1 else value
@@ -81,7 +82,7 @@ def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
                                    first_max, window, strides, pads, window_dilation=dil)
     geometry = (window[-nd:], strides[-nd:], [p[0] for p in pads[-nd:]], dil[-nd:])
 
-    @jax.custom_vjp
+    @custom_vjp
     def pooled(x, indices):
         return lax.reduce_window(x, lowest, lax.max, window, strides, pads, window_dilation=dil)
 

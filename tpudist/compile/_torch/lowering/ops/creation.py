@@ -9,8 +9,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tpudist.compile._torch.lowering._table import register
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 @register(aten.full.default)
 def full(size, fill_value, *, dtype=None):
     return jnp.full(tuple(size), fill_value, dtype)

@@ -2,10 +2,15 @@
 
 torch's `_ctc_loss` has a data-dependent output (its alignment table is as long as the longest
 target), so capture traces `torch.ctc_loss` as `tpudist::ctc_loss` (the per-example losses only,
-`CtcAsOneOp`); the gradient is JAX's of the log-space recursion (torch's backward computes the same).
+`CtcAsOneOp`). The gradient is torch's: JAX's of the log-space recursion plus `exp(log_probs)` times
+the loss's cotangent (torch's backward is the derivative with respect to the logits under a
+log_softmax, so it equals the true one only after log_softmax's backward; a model that feeds
+log_probs from elsewhere trains on torch's formula in eager mode, and so here).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,7 @@ import jax.numpy as jnp
 import torch
 
 from tpudist.compile._torch.lowering._table import register
+from tpudist.compile._torch.lowering.ops._util import custom_vjp
 
 _FLOOR = -1e30  # log(0) stand-in: -inf would make the logaddexp gradients NaN
 
@@ -66,6 +72,39 @@ class CtcAsOneOp(torch.overrides.TorchFunctionMode):
 
 @register(CTC_LOSS)
 def ctc(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return _ctc(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+
+
+@functools.partial(custom_vjp, nondiff_argnums=(4, 5))
+def _ctc(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return _losses(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)[0]
+
+
+def _ctc_fwd(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    loss, vjp, impossible = jax.vjp(
+        lambda lp: _losses(lp, targets, input_lengths, target_lengths, blank, zero_infinity), log_probs,
+        has_aux=True)
+    return loss, (vjp, log_probs, input_lengths, impossible)
+
+
+def _ctc_bwd(blank, zero_infinity, saved, g):
+    """torch's ctc_loss_backward (aten/src/ATen/native/LossCTC.cpp): per step t < input_length,
+    (exp(lp) - exp(log(alpha beta) + nll - lp)) * g, the second term being JAX's gradient; 0 for
+    later steps, and for an impossible alignment 0 with zero_infinity, else NaN (torch's inf - inf)."""
+    vjp, log_probs, input_lengths, impossible = saved
+    (grad,) = vjp(g)
+    live = jnp.arange(log_probs.shape[0])[:, None] < input_lengths.astype(jnp.int32)[None, :]  # (T, N)
+    grad = jnp.where(live[..., None], grad + jnp.exp(log_probs) * g[None, :, None].astype(log_probs.dtype), 0)
+    lost = impossible[None, :, None] if zero_infinity else impossible[None, :, None] & live[..., None]
+    grad = jnp.where(lost, 0.0 if zero_infinity else jnp.nan, grad).astype(log_probs.dtype)
+    return grad, None, None, None
+
+
+_ctc.defvjp(_ctc_fwd, _ctc_bwd)
+
+
+def _losses(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    """(each example's loss, whether its target cannot be aligned in its input length)."""
     steps, batch, _ = log_probs.shape
     target_lengths = target_lengths.astype(jnp.int32)
     if targets.ndim == 1:  # concatenated targets: cut each example's out (padded to the total length)
@@ -99,4 +138,4 @@ def ctc(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
     before = jnp.where(end > 0, jnp.take_along_axis(last, jnp.maximum(end - 1, 0)[:, None], axis=1)[:, 0], _FLOOR)
     likelihood = jnp.logaddexp(final, before)
     impossible = likelihood < _FLOOR / 2
-    return jnp.where(impossible, 0.0 if zero_infinity else jnp.inf, -likelihood).astype(log_probs.dtype)
+    return jnp.where(impossible, 0.0 if zero_infinity else jnp.inf, -likelihood).astype(log_probs.dtype), impossible

@@ -12,8 +12,9 @@ import torch
 
 from tpudist.compile._torch.lowering._table import register
 from tpudist.compile._torch.lowering.ops._util import unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 # JAX's `norm=` names which direction is scaled: "backward" scales only the inverse by 1/n,
 # "forward" only the forward transform, "ortho" both by 1/sqrt(n)
 _FORWARD_NORM = {0: "backward", 1: "ortho", 2: "forward"}

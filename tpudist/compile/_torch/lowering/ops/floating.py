@@ -13,8 +13,9 @@ from jax import lax
 
 from tpudist.compile._torch.lowering._table import keep_whole, register
 from tpudist.compile._torch.lowering.ops._util import in_float32, register_unary, torch_sign
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 # -- floating-point manipulation --------------------------------------------------------------------
 
 def _floats(*xs):

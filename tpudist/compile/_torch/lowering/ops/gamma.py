@@ -22,8 +22,9 @@ from jax.custom_derivatives import SymbolicZero
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, register
 from tpudist.compile._torch.lowering.ops import _aten_math as aten_math
 from tpudist.compile._torch.lowering.ops._util import float_arrays, in_float32, unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 _PI = np.float32(np.pi)
 
 

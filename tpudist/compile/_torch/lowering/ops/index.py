@@ -12,9 +12,10 @@ import numpy as np
 from jax import lax
 
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, register
-from tpudist.compile._torch.lowering.ops._util import dim as norm_dim, unsupported_arg
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, dim as norm_dim, unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _index_tuple(indices):
     return tuple(slice(None) if i is None else i for i in indices)
 
@@ -62,7 +63,7 @@ def _where(present, arrays):
     return tuple(next(arrays) if p else slice(None) for p in present)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
 def _set_at_vjp(present, x, arrays, values):
     return x.at[_where(present, arrays)].set(values)
 
@@ -169,7 +170,7 @@ def scatter_add(x, dim, index, src):
     return x.at[_scatter_index(index, norm_dim(dim, x.ndim))].add(_fit(src, index))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
 def _no_gradient(op, x):
     return x
 
@@ -217,7 +218,7 @@ def _reduce_into(x, where, src, reduce, include_self):
     return {"prod": at.multiply, "amax": at.max, "amin": at.min}[reduce](src)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(custom_vjp, nondiff_argnums=(3, 4))
 def _reduce_into_vjp(x, where, src, reduce, include_self):
     return _reduce_into(x, where, src, reduce, include_self)
 

@@ -17,8 +17,10 @@ import numpy as np
 from jax import lax
 
 from tpudist.compile._torch.lowering._table import decompose_with_torch, register
+from tpudist.compile._torch.lowering.ops._util import custom_vjp
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _scaled(value, factor):
     return value if factor == 1 else value * factor
 
@@ -112,7 +114,7 @@ def diagonal(x, offset=0, dim1=0, dim2=1):
 
 # -- p-norm distances (cdist, pdist) -----------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_vjp, nondiff_argnums=(1,))
 def _distance(diff, p: float):
     """The p-norm of `diff` over its last dim, differentiated as torch's cdist / pdist kernels do:
     zero gradient where the distance is zero, and for p < 1 where a coordinate difference is."""

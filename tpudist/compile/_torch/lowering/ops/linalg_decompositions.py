@@ -23,8 +23,9 @@ from jax.lax import linalg as lax_linalg
 
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, register
 from tpudist.compile._torch.lowering.ops._util import unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def mT(x):
     return jnp.swapaxes(x, -1, -2)
 

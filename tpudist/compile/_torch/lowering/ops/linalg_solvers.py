@@ -16,10 +16,11 @@ import jax.scipy.linalg as jsp_linalg
 from jax.lax import linalg as lax_linalg
 
 from tpudist.compile._torch.lowering._table import register
-from tpudist.compile._torch.lowering.ops._util import unsupported_arg
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, unsupported_arg
 from tpudist.compile._torch.lowering.ops.linalg_decompositions import hermitian as hermitian_matrix, lu_factor, mH, mT
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _broadcast_batch(a, b):
     batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
@@ -64,7 +65,7 @@ def _cholesky_solve_value(b, factor, upper):
                                        conjugate_a=not upper)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(custom_vjp, nondiff_argnums=(2,))
 def _cholesky_solve(b, factor, upper):
     """X with (L L^H) X = b, differentiated as torch does: as a function of the whole factor matrix,
     its unread triangle included (torch's formula assumes the factor is triangular)."""
@@ -184,7 +185,7 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     return _pinv(a, atol, jnp.asarray(rtol, real), hermitian)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(custom_vjp, nondiff_argnums=(3,))
 def _pinv(a, atol, rtol, hermitian: bool):
     """torch's pinv: singular values (|eigenvalues| if `hermitian`) at most max(atol, rtol * the
     largest) count as zero; differentiated by torch's closed form (valid where the rank is constant),

@@ -13,8 +13,9 @@ from jax import lax
 
 from tpudist.compile._torch.lowering._table import register
 from tpudist.compile._torch.lowering.ops._util import in_float32
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _moments(x, axes):
     mean = jnp.mean(x, axis=axes, keepdims=True)
     centered = x - mean

@@ -14,8 +14,9 @@ from jax import lax
 from tpudist.compile._torch._custom_ops import STOP_GRADIENT
 from tpudist.compile._torch.lowering._table import register
 from tpudist.compile._torch.lowering.ops._util import register_unary, torch_sign
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _scaled(y, alpha):
     return y if alpha is None or alpha == 1 else y * alpha
 

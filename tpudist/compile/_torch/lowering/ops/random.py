@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from tpudist._jaxcompat import varying_axes
 from tpudist.compile._torch.lowering._table import register
 from tpudist.compile._torch.lowering.ops._util import unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 @register(aten.native_dropout.default, random=True)
 def native_dropout(key, x, p, train):
     """Returns (output, keep_mask); kept elements are scaled by 1 / (1 - p), as in torch."""

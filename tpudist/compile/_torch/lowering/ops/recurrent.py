@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpudist.compile._torch.lowering._table import keep_whole, register
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _has_dropout(node) -> bool:
     return float(node.args[5]) > 0.0 and bool(node.args[6])
 

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpudist.compile._torch.lowering._table import register
-from tpudist.compile._torch.lowering.ops._util import dim, dims, in_float32
+from tpudist.compile._torch.lowering._table import keep_whole, register
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, dim, dims, in_float32
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _accumulator(dtype):
     """The dtype a sum with `dtype=` accumulates in: float32 for half types, as torch's kernels do
     (the result is rounded to `dtype` once, by the interpreter)."""
@@ -157,7 +158,11 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(x, float(ord), dims(dim, x.ndim), keepdim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+# torch 2.14's export table decomposes it to pow / sum / pow, whose gradient at a zero vector is NaN
+keep_whole(aten.linalg_vector_norm.default)
+
+
+@functools.partial(custom_vjp, nondiff_argnums=(1, 2, 3))
 def _vector_norm(x, ord, axes, keepdim):
     """The `ord`-norm over `axes`, differentiated as torch's norm_backward: at zeros and ties the
     subgradient torch picks, where the root's derivative would be NaN or infinite."""

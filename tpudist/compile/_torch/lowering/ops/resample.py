@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch.lowering._table import keep_whole, register
-from tpudist.compile._torch.lowering.ops._util import in_float32
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, in_float32
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 _f32 = np.float32
 
 
@@ -84,7 +85,7 @@ def _upsample_nearest(x, output_size, scales, exact: bool, shortcuts: bool = Fal
         return _take(x, lead, forward)
     shape, dtype = x.shape, x.dtype
 
-    @jax.custom_vjp
+    @custom_vjp
     def resized(x):
         return _take(x, lead, forward)
 

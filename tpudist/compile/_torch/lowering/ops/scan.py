@@ -13,9 +13,10 @@ import torch
 from jax import lax
 
 from tpudist.compile._torch.lowering._table import register
-from tpudist.compile._torch.lowering.ops._util import dim as norm_dim, in_float32, unsupported_arg
+from tpudist.compile._torch.lowering.ops._util import custom_vjp, dim as norm_dim, in_float32, unsupported_arg
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 # -- cumulative ops --------------------------------------------------------------------------------
 # torch's CPU kernels accumulate half-precision scans in float32 and round each output once
 
@@ -57,7 +58,7 @@ def cummin(x, dim):
     return _cumulative_extreme(x, dim, lax.cummin, jnp.less_equal)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_vjp, nondiff_argnums=(1,))
 def _logcumsumexp(x, d):
     return lax.cumlogsumexp(x, axis=d)
 
@@ -288,7 +289,7 @@ def _segment(data, ids, count, reduce, initial):
     return (jnp.maximum if reduce == "max" else jnp.minimum)(extreme, jnp.asarray(initial, data.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(custom_vjp, nondiff_argnums=(2, 3, 4))
 def _segment_vjp(data, ids, count, reduce, initial):
     return _segment(data, ids, count, reduce, initial)
 

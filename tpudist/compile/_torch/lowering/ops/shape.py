@@ -18,8 +18,9 @@ from jax import lax
 
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, decompose_with_torch, register
 from tpudist.compile._torch.lowering.ops._util import dim
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def view(x, size):
     return jnp.reshape(x, tuple(size))

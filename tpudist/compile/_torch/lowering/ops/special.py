@@ -22,8 +22,9 @@ from jax import lax
 from tpudist.compile._torch.lowering._table import keep_whole, register
 from tpudist.compile._torch.lowering.ops import _aten_math as aten_math
 from tpudist.compile._torch.lowering.ops._util import float_arrays, in_float32
+from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
 
-from tpudist.compile._torch.lowering._table import aten  # noqa: E402  (an op this torch lacks: a MissingOp, skipped)
+
 def _constant(fn):
     """A function torch does not differentiate: its inputs are constants to autograd."""
     @functools.wraps(fn)
