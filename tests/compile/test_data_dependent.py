@@ -106,21 +106,27 @@ def test_boolean_mask_indexing_on_inputs_is_specialised_on_the_count_and_matches
     torch.testing.assert_close(model.fc.weight.grad, eager.fc.weight.grad)
 
 
-def test_boolean_mask_indexing_trains_in_the_fused_step_as_eager():
-    torch.manual_seed(0)
-    model = MaskedLoss()
+def _fused_steps_match_eager(model: torch.nn.Module, batches: list[tuple], lr: float) -> "tpudist.TrainStep":
+    """A fused SGD step per batch (the model returns its loss) against eager torch's; the step back."""
     eager = copy.deepcopy(model)
-    step = tpudist.compile_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.5))
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
-    x, labels = torch.randn(2, 5, 4), torch.randint(0, 2, (2, 5))
-    for kept in ([3, 4], [4, 3], [2, 2]):
-        loss = float(step((x, _mask(kept), labels)))
+    step = tpudist.compile_train_step(model, None, torch.optim.SGD(model.parameters(), lr=lr))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=lr)
+    for batch in batches:
+        loss = float(step(batch))
         eager_opt.zero_grad()
-        want = eager(x, _mask(kept), labels)
+        want = eager(*batch)
         want.backward()
         eager_opt.step()
         assert loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
-    torch.testing.assert_close(model.state_dict()["fc.weight"], eager.fc.weight.detach())
+    torch.testing.assert_close(model.state_dict()["fc.weight"], eager.fc.weight.detach())  # (state_dict syncs)
+    return step
+
+
+def test_boolean_mask_indexing_trains_in_the_fused_step_as_eager():
+    torch.manual_seed(0)
+    x, labels = torch.randn(2, 5, 4), torch.randint(0, 2, (2, 5))
+    step = _fused_steps_match_eager(MaskedLoss(), [(x, _mask(kept), labels) for kept in ([3, 4], [4, 3], [2, 2])], 0.5)
+    assert (step.stats.compiles, step.stats.recaptures) == (2, 1)
 
 
 @pytest.mark.parametrize("model", ["labelled_rows", "masked_loss"])
@@ -198,20 +204,9 @@ def test_frequent_recaptures_warn():
 
 def test_the_fused_step_recaptures_for_a_new_length_and_matches_eager():
     torch.manual_seed(0)
-    model = LabelledRows()
-    eager = copy.deepcopy(model)
-    step = tpudist.compile_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.1))
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     x = torch.randn(6, 4)
-    for missing in (1, 1, 2):
-        loss = float(step((x, _labels(missing))))
-        eager_opt.zero_grad()
-        want = eager(x, _labels(missing))
-        want.backward()
-        eager_opt.step()
-        assert loss == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    step = _fused_steps_match_eager(LabelledRows(), [(x, _labels(missing)) for missing in (1, 1, 2)], 0.1)
     assert (step.stats.compiles, step.stats.recaptures) == (2, 1)
-    torch.testing.assert_close(model.state_dict()["fc.weight"], eager.fc.weight.detach())  # (state_dict syncs)
 
 
 class Ctc(torch.nn.Module):
