@@ -59,7 +59,9 @@ def doctor_parser() -> argparse.ArgumentParser:
         description="Show which cluster source applies to these flags and why each does or does not "
                     "(as `tpudist launch` with the same flags would choose), then whether this host's TPU "
                     "is free (a process holding its device nodes or a stale libtpu lock file, with the fix) and "
-                    "which Python, torch and JAX are installed. Starts nothing. Exit status 1 when no cluster applies or the TPU is not free.",
+                    "which Python, torch and JAX are installed (and whether they are tested releases), then "
+                    "which device each path computes on. Starts no job. Exit status 1 when no cluster applies, "
+                    "the TPU is not free or JAX cannot list its devices.",
         epilog="examples: tpudist doctor --tpu my-slice --zone us-central2-b; tpudist doctor --tpu=local "
                "(on a TPU VM); tpudist doctor (no flags: what this machine looks like, e.g. a SLURM allocation)")
     where = p.add_argument_group("where the job would run (the launcher's flags; at most one)")

@@ -61,7 +61,7 @@ RESTART = "TPUDIST_RESTART"  # which attempt of the job this is (0 first), under
 STOP_GRACE = "TPUDIST_STOP_GRACE"  # seconds between the SIGTERM that stops a process and SIGKILL
 CONSOLE = "TPUDIST_CONSOLE"  # "tty": the launcher's console is a terminal (fit then shows progress lines)
 
-TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused torch step copies state to torch even on CPU (as on a TPU)
+TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused step and compiled modules copy between torch and XLA even on CPU (as on a TPU)
 GRAD_BUCKET_MB = "TPUDIST_GRAD_BUCKET_MB"  # the data-parallel step's bucket for small gradients, MiB (1; 0: one all-reduce per array)
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
 

@@ -158,14 +158,43 @@ _i1e.defjvps(lambda g, y, x: g * _i1_slope(x, y, scaled=True))
 for _op, _fn in [(aten.i0.default, _i0), (aten.special_i0e.default, jss.i0e),
                  (aten.special_i1.default, _i1), (aten.special_i1e.default, _i1e)]:
     register(_op)(in_float32(lambda x, fn=_fn: fn(float_arrays(x))))
-register(aten.special_modified_bessel_i0.default)(_constant(lambda x: jss.i0(float_arrays(x))))
-register(aten.special_modified_bessel_i1.default)(_constant(lambda x: jss.i1(float_arrays(x))))
+
+
+def _torch_differentiates(name: str) -> bool:
+    """Whether the running torch has a derivative for torch.special.NAME (2.15 added the Bessel
+    functions'; before, their inputs are constants to autograd, and must be here too)."""
+    import torch
+    fn = getattr(torch.special, name, None)
+    return fn is not None and fn(torch.ones(1, requires_grad=True)).requires_grad
+
+
+def _k(order):
+    return lambda x: aten_math.k(x, order, scaled=False)
+
+
+# (op, torch.special's name, the function, its derivative from (x, value) as torch 2.15 has it)
+_BESSEL = [
+    (aten.special_bessel_j0.default, "bessel_j0", aten_math.j0, lambda x, y: -aten_math.j1(x)),
+    (aten.special_bessel_j1.default, "bessel_j1", aten_math.j1,
+     lambda x, y: jnp.where(x == 0, 0.5, aten_math.j0(x) - y / x)),
+    (aten.special_bessel_y0.default, "bessel_y0", aten_math.y0, lambda x, y: -aten_math.y1(x)),
+    (aten.special_bessel_y1.default, "bessel_y1", aten_math.y1,
+     lambda x, y: jnp.where(x == 0, jnp.inf, aten_math.y0(x) - y / x)),
+    (aten.special_modified_bessel_i0.default, "modified_bessel_i0", jss.i0, lambda x, y: jss.i1(x)),
+    (aten.special_modified_bessel_i1.default, "modified_bessel_i1", jss.i1,
+     lambda x, y: _i1_slope(x, y, scaled=False)),
+    (aten.special_modified_bessel_k0.default, "modified_bessel_k0", _k(0), lambda x, y: -_k(1)(x)),
+    (aten.special_modified_bessel_k1.default, "modified_bessel_k1", _k(1), lambda x, y: -_k(0)(x) - y / x),
+]
+for _op, _name, _fn, _slope in _BESSEL:
+    if _torch_differentiates(_name):
+        _fn = jax.custom_jvp(_fn)
+        _fn.defjvps(lambda g, y, x, slope=_slope: g * slope(x, y))
+        register(_op)(in_float32(lambda x, fn=_fn: fn(float_arrays(x)).astype(float_arrays(x).dtype)))
+    else:
+        register(_op)(_constant(lambda x, fn=_fn: fn(float_arrays(x)).astype(float_arrays(x).dtype)))
 
 for _op, _fn in [
-    (aten.special_bessel_j0.default, aten_math.j0), (aten.special_bessel_j1.default, aten_math.j1),
-    (aten.special_bessel_y0.default, aten_math.y0), (aten.special_bessel_y1.default, aten_math.y1),
-    (aten.special_modified_bessel_k0.default, lambda x: aten_math.k(x, 0, scaled=False)),
-    (aten.special_modified_bessel_k1.default, lambda x: aten_math.k(x, 1, scaled=False)),
     (aten.special_scaled_modified_bessel_k0.default, lambda x: aten_math.k(x, 0, scaled=True)),
     (aten.special_scaled_modified_bessel_k1.default, lambda x: aten_math.k(x, 1, scaled=True)),
     (aten.special_airy_ai.default, aten_math.airy_ai),
