@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from tpudist.compile._torch._custom_ops import STOP_GRADIENT
@@ -148,27 +149,35 @@ def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value, x.dtype), x)
 
 
-@register(aten.clamp.default, aten.clamp.Tensor)
-def clamp(x, min=None, max=None):
-    # selects rather than min/max, so that at the bounds the gradient passes in full, as in torch;
-    # a NaN in x or in a bound gives NaN, and no gradient to it (torch's masks compare false)
-    def bound(y, b, beyond):
+def clamp(x, min=None, max=None, at_min=1.0, at_max=1.0):
+    # selects rather than min/max; where x equals a bound, x gets the share `at_min` / `at_max` of
+    # the gradient and the bound the rest, as the running torch splits it; a NaN in x or in a bound
+    # gives NaN, and no gradient to it (torch's masks compare false)
+    def bound(y, b, beyond, share):
         b = jnp.asarray(b, x.dtype)
-        return jnp.where(beyond(y, b), b, jnp.where(jnp.isnan(b), lax.stop_gradient(b), y))
+        inside = y if share == 1.0 else jnp.where(y == b, share * y + (1 - share) * b, y)
+        return jnp.where(beyond(y, b), b, jnp.where(jnp.isnan(b), lax.stop_gradient(b), inside))
 
-    y = x if min is None else bound(x, min, jnp.less)
-    y = y if max is None else bound(y, max, jnp.greater)
+    y = x if min is None else bound(x, min, jnp.less, at_min)
+    y = y if max is None else bound(y, max, jnp.greater, at_max)
     return jnp.where(jnp.isnan(x), lax.stop_gradient(x), y)
 
 
-@register(aten.clamp_min.default, aten.clamp_min.Tensor)
-def clamp_min(x, min):
-    return clamp(x, min=min)
+def _passes_at_bound(op, *args) -> float:
+    """The share of the gradient the running torch's `op` gives x where x equals the bound (1.0):
+    all of it up to torch 2.13; from 2.14 none for a scalar bound, half for a tensor bound."""
+    x = torch.ones(1, requires_grad=True)
+    (grad,) = torch.autograd.grad(op(x, *args).sum(), x)
+    return float(grad.item())
 
 
-@register(aten.clamp_max.default, aten.clamp_max.Tensor)
-def clamp_max(x, max):
-    return clamp(x, max=max)
+for _op, _bound in ((aten.clamp.default, 1.0), (aten.clamp.Tensor, torch.ones(1))):
+    _at = (_passes_at_bound(_op, _bound, None), _passes_at_bound(_op, None, _bound))
+    register(_op)(lambda x, min=None, max=None, at=_at: clamp(x, min, max, *at))
+for _op, _bound in ((aten.clamp_min.default, 1.0), (aten.clamp_min.Tensor, torch.ones(1))):
+    register(_op)(lambda x, min, at=_passes_at_bound(_op, _bound): clamp(x, min=min, at_min=at))
+for _op, _bound in ((aten.clamp_max.default, 1.0), (aten.clamp_max.Tensor, torch.ones(1))):
+    register(_op)(lambda x, max, at=_passes_at_bound(_op, _bound): clamp(x, max=max, at_max=at))
 
 
 @register(aten.gelu.default)
