@@ -156,24 +156,27 @@ def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.exp
     """torch.export; where it stops at a value computed from the inputs, again with the real values
     deciding (specialised and guarded, see _observed)."""
     printed = io.StringIO()  # torch prints the partial graph of a failed export; not when recovered here
+    program = None
     try:
         with contextlib.redirect_stderr(printed), _observed.quiet():
             program = torch.export.export(flat, args, kwargs, strict=False)
-        if not _observed.has_data_dependent_length(program):
-            return program, None
-        try:  # x[mask] on inputs: specialised on the mask's count and guarded
-            return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward", program)
-        except CaptureError:
-            raise
-        except Exception:  # noqa: BLE001 - torch could not trace it so: _check_ops names the op and the rewrite
-            return program, None
     except Exception as exc:
         if not _observed.is_data_dependent(exc):
             raise
         printed = io.StringIO()
     finally:
         sys.stderr.write(printed.getvalue())
-    return _observed.export_observed(flat, args, kwargs, f"{type(flat.traced).__name__}.forward")
+    name = f"{type(flat.traced).__name__}.forward"
+    if program is None:
+        return _observed.export_observed(flat, args, kwargs, name)
+    if not _observed.has_data_dependent_length(program):
+        return program, None
+    try:  # x[mask] on inputs: specialised on the mask's count and guarded
+        return _observed.export_observed(flat, args, kwargs, name, program)
+    except CaptureError:
+        raise
+    except Exception:  # noqa: BLE001 - torch could not trace it so: _check_ops names the op and the rewrite
+        return program, None
 
 
 def _check_layouts(module: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> None:
