@@ -481,6 +481,19 @@ def test_compiled_attention():
         *mha(x, x, x, key_padding_mask=padding)), q, k, v, boolean, additive, x, padding, rtol=1e-4)
 
 
+def test_a_query_that_attends_nowhere_gives_zero_as_torch_does():
+    """A left-padded batch's padding rows mask every key (all False, or all -inf): torch's
+    attention gives 0 there, and 0 gradient (transformers relies on it); not NaN, which would
+    spread through the next layer's keys into every row."""
+    q, k, v = randn(2, 2, 4, 8), randn(2, 2, 4, 8, seed=1), randn(2, 2, 4, 8, seed=2)
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    keep[0, :, :2] = False  # the first two queries of batch row 0 attend nowhere
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~keep, float("-inf"))
+    check_compiled(lambda q, k, v, keep, additive: (
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=additive)), q, k, v, keep, additive, rtol=1e-4)
+
+
 def test_compiled_attention_forms():
     """Every form of F.scaled_dot_product_attention torch users (and Llama) write, values and
     gradients: grouped-query heads, a causal mask over more keys than queries, a scale, per-batch

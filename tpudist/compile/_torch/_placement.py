@@ -148,9 +148,7 @@ class SpmdPlacement:
         elif split is False or not tuple(split):
             pieces, shape, sharding = [value] * len(self.devices), tuple(value.shape), self.replicated
         else:
-            shape, sharding = tuple(value.shape), NamedSharding(self.mesh, split)
-            blocks = sharding.addressable_devices_indices_map(shape)
-            pieces = [_contiguous(value[blocks[d]]) for d in self.devices]
+            return put_laid_out(value, NamedSharding(self.mesh, split), self.devices, copy)
         shards = [_on_device(piece, device, copy) for piece, device in zip(pieces, self.devices)]
         return assemble(shape, sharding, shards)
 
@@ -158,13 +156,25 @@ class SpmdPlacement:
         """The whole value of `array` on one of this process's devices (a gather over the mesh,
         collective: every process makes the same calls, for an array laid out by a PartitionSpec)."""
         if split is not False and split is not True and tuple(split):
-            array = _gather(array.sharding.mesh)(array)
+            array = relaid(array.sharding.mesh)(array)
         return [array.addressable_shards[0].data]
 
 
+def put_laid_out(value: Any, sharding: NamedSharding, devices: list[Any], copy: bool = False) -> jax.Array:
+    """A full host `value` (the same on every process) as a global array laid out by `sharding`:
+    each of this process's `devices` takes its own block; nothing else crosses."""
+    value = _host_array(value, copy)
+    shape = tuple(value.shape)
+    blocks = sharding.addressable_devices_indices_map(shape)
+    pieces = [_contiguous(value[blocks[d]]) for d in devices]
+    return assemble(shape, sharding, [_on_device(piece, device, copy) for piece, device in zip(pieces, devices)])
+
+
 @functools.lru_cache(maxsize=None)
-def _gather(mesh: Any) -> Any:
-    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+def relaid(mesh: Any, spec: P = P()) -> Any:
+    """A jitted identity that lays its argument out by `spec` over `mesh` (default: whole on every
+    device, a gather); a collective where the mesh spans processes."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, spec))
 
 
 def _host_array(value: Any, copy: bool) -> Any:

@@ -30,6 +30,7 @@ class Slot(enum.StrEnum):
     INPUT = "input"      # a user tensor input (as an output: an input the graph writes back)
     LITERAL = "literal"  # a non-tensor user input, specialised by export
     USER = "user"        # a user output
+    PIECE = "piece"      # an output that rebuilds a write-back on torch's side (module/_resident.py)
 
 
 class CaptureError(TypeError):

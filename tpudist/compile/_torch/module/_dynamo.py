@@ -37,13 +37,16 @@ class DynamoStats:
     captures: torch.export captures of those graphs: one per graph and input signature (dynamo's dynamic
         shapes arrive as int inputs, and each new value is captured and compiled once, then cached).
     calls: calls of the compiled graphs; capture_seconds: time spent capturing.
-    Captures and calls count the graphs still alive (`torch._dynamo.reset()` drops them); graphs counts all.
+    executables: XLA executables compiled for those captures (forward, forward-with-VJP, backward).
+    Captures, calls and executables count the graphs still alive (`torch._dynamo.reset()` drops
+    them); graphs counts all.
     """
 
     graphs: int = 0
     captures: int = 0
     calls: int = 0
     capture_seconds: float = 0.0
+    executables: int = 0
 
 
 _graphs = 0
@@ -57,6 +60,7 @@ def dynamo_stats() -> DynamoStats:
         stats.captures += module.stats.compiles
         stats.calls += module.stats.calls
         stats.capture_seconds += module.stats.capture_seconds
+        stats.executables += module.stats.executables
     return stats
 
 

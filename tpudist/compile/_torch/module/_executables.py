@@ -20,6 +20,7 @@ from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured
 from tpudist.compile._torch.lowering._lower import lower
+from tpudist.compile._torch.module._laid_out import MeshRun
 from tpudist.compile._torch.module._spmd import ProcessMesh
 
 
@@ -50,6 +51,7 @@ class Executables:
         self._compiled_backward: dict[Any, Any] = {}
         self._packings: dict[tuple[int, ...], Packing] = {}
         self._reached: dict[tuple, tuple[bool, ...]] = {}
+        self.laid_out = MeshRun(captured, self._run)  # for a model laid out by tpudist.parallelize
         # fresh cotangents from torch's autograd: staged like the inputs (see InputStaging), per
         # device; absent until the first backward there decides, False where they are imported afresh
         self._cotangent_staging: dict[Any, InputStaging | bool] = {}
@@ -93,9 +95,10 @@ class Executables:
         _, vjp = jax.vjp(differentiable, [arrays[p] for p in diff])
         return _apply_vjp(vjp, cotangents)
 
-    def forward(self, arrays: list[jax.Array], seed: Any, where: Where) -> list[Any]:
+    def forward(self, arrays: list[jax.Array], seed: Any, where: Where, keep: frozenset[int] = frozenset()) -> list[Any]:
         """Every output of the graph, with no gradient plumbing (nothing to differentiate), where
-        torch can view it (`where.host`: copied to the host)."""
+        torch can view it (`where.host`: copied to the host), except the outputs at `keep`, which
+        stay on the device."""
         if self._spmd is None:
             result = self._forward(arrays, seed)
             self._observe(result)
@@ -103,7 +106,7 @@ class Executables:
             spmd = self._spmd
             outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
             result = [spmd.to_local(o) for o in outs]
-        return _host_values(result) if where.host else result
+        return host_values(result, keep) if where.host else result
 
     def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any, where: Where):
         """(floating outputs, other outputs, VJP closure): one XLA executable per `diff` and device,
@@ -126,7 +129,7 @@ class Executables:
                 return [spmd.to_local(g) for g in grads]
             primal, rest = [outs[i] for i in self.floats], [outs[i] for i in self.rest]
         if where.host:
-            crossed = _host_values([*primal, *rest])
+            crossed = host_values([*primal, *rest])
             primal, rest = crossed[:len(primal)], crossed[len(primal):]
         return primal, rest, vjp
 
@@ -161,10 +164,10 @@ class Executables:
                 grads = vjp.grads
             else:
                 grads = self._scale(vjp.grads, to_jax(cotangent, device=device))
-            return packing.unpack(_host_values(grads) if where.host else grads, dtypes)
+            return packing.unpack(host_values(grads) if where.host else grads, dtypes)
         if self._spmd is not None:
             grads = vjp([to_jax(g, device=device) for g in cotangents])
-            return [to_torch(g, dtype) for g, dtype in zip(_host_values(grads) if where.host else grads, dtypes)]
+            return [to_torch(g, dtype) for g, dtype in zip(host_values(grads) if where.host else grads, dtypes)]
         staging = self._cotangent_staging.get(device)
         if staging is None:
             staging = self._cotangent_staging[device] = InputStaging.build(
@@ -181,7 +184,7 @@ class Executables:
             grads = compiled(vjp, arrays)
             if staged and not staging.checked:
                 staging.check(grads)
-            return packing.unpack(_host_values(grads) if where.host else grads, dtypes)  # waits for the executable
+            return packing.unpack(host_values(grads) if where.host else grads, dtypes)  # waits for the executable
         finally:
             if staged is not None and not staging.release(grads[0] if grads else None):
                 self._cotangent_staging[device] = False
@@ -190,7 +193,7 @@ class Executables:
         """How many XLA executables have been compiled so far (0 where JAX cannot say)."""
         jitted = {id(f): f for f in (self._forward, self._forward_with_vjp, self._backward)}.values()
         return (sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted) + len(self._compiled_forward)
-                + len(self._compiled_backward))
+                + len(self._compiled_backward) + self.laid_out.compiles)
 
 
 @jax.tree_util.register_dataclass
@@ -201,9 +204,10 @@ class _Scaled:
     grads: list[jax.Array]
 
 
-def _host_values(values: list[Any]) -> list[Any]:
-    """`values` with each array copied to the host in one transfer (`to_host`); others as they are."""
-    arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
+def host_values(values: list[Any], keep: frozenset[int] = frozenset()) -> list[Any]:
+    """`values` with each array copied to the host in one transfer (`to_host`); others, and those at
+    `keep`, as they are."""
+    arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array) and i not in keep]
     out = list(values)
     for i, array in zip(arrays, to_host([values[i] for i in arrays])):
         out[i] = array

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from tpudist.compile._torch.lowering._capture import autocast_state, capture
 from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch.module._program import Program
 from tpudist.compile._torch._stats import CaptureStats
+from tpudist.compile._torch._layout import capturing
 from tpudist.compile._torch._sync import leaf_key, sync_module
 
 
@@ -86,7 +88,8 @@ class CompiledModule(torch.nn.Module):
             program = None
             recaptured(stats, guard, type(self.module).__name__)
         if program is None:
-            captured = capture(self.module, args, kwargs)
+            with capturing(itertools.chain(self.module.parameters(), leaves)):  # a laid-out model's placeholders
+                captured = capture(self.module, args, kwargs)
             program = self._programs[key] = Program(self.module, captured, self._long_lived)
             stats.compiles += 1
             stats.capture_seconds += captured.seconds

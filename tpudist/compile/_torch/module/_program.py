@@ -17,7 +17,10 @@ from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, 
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured, resolver
 from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
-from tpudist.compile._torch.module._executables import Executables
+from tpudist.compile._torch.module._executables import Executables, host_values
+from tpudist.compile._torch.module._laid_out import whole
+from tpudist.compile._torch.module._resident import Resident, scatter_outputs, write_scatter
+from tpudist.compile._torch._layout import Layout, layout_of_tensor
 
 
 class Program:
@@ -25,11 +28,20 @@ class Program:
 
     def __init__(self, module: torch.nn.Module, captured: Captured, long_lived: frozenset[int] = frozenset()):
         self.captured = captured
+        # the indices and values of scatter write-backs, as outputs (before the graph is lowered)
+        self._scatters = scatter_outputs(captured)
         # fresh executables per program, so that executables() counts this program's only
         self._executables = Executables(captured, self._check_staging)
         self._slots = [slot for slot in captured.inputs if slot.kind != "literal"]
         self._resolve = [resolver(module, slot, captured) for slot in self._slots]
         self._buffer_position = {slot.name: i for i, slot in enumerate(self._slots) if slot.kind == "buffer"}
+        leaf_position = {slot.leaf: i for i, slot in enumerate(self._slots) if slot.kind == "input"}
+        # each write-back output's input position; their new arrays stay on the device (see _resident)
+        self._written = {j: self._buffer_position[o.target] if o.kind == "buffer" else leaf_position[o.target]
+                         for j, o in enumerate(captured.outputs) if o.kind in ("buffer", "input")}
+        self._keep = frozenset(self._written)
+        self._resident = Resident()
+        self._layout: Layout | None | bool = None  # the layout of the model's tensors (False: none); at the first call
         # parameters and buffers the graph only reads cross once, as views (see ViewCache)
         # (and the inputs at `long_lived`: what dynamo passes from the module's parameters and buffers)
         self._long_lived = [not slot.mutated and (slot.kind in ("param", "buffer", "constant")
@@ -64,6 +76,13 @@ class Program:
                 raise RuntimeError(f"torch -> XLA: the compiled forward modifies its input {self._slots[i].name} "
                                    "in place while it requires grad; tpudist writes the new value back outside "
                                    "autograd. Modify a copy inside forward (x = x.clone()), or detach the input")
+        layout = self._layout
+        if layout is None:
+            layout = self._layout = self._find_layout(tensors) or False
+            if layout:
+                layout.residents.add(self._resident)
+        if layout:
+            return self._call_laid_out(layout, tensors, leaves, diff)
         place = self._where(tensors)
         device = place.device
         staging = self._stagings.get(device)
@@ -79,17 +98,21 @@ class Program:
                 for i, array in zip(self._long, longs):
                     arrays[i] = array
             for i in self._short:
-                arrays[i] = (staged[i] if staged is not None and i in staged
-                             else to_jax(tensors[i], copy=self._slots[i].mutated, device=device))
+                slot = self._slots[i]
+                kept = self._resident.get(i, tensors[i], device) if slot.mutated else None
+                arrays[i] = (kept if kept is not None else staged[i] if staged is not None and i in staged
+                             else to_jax(tensors[i], copy=slot.mutated, device=device))
             seed = _seed() if self.captured.has_random else np.uint32(0)
             outputs: list[Any] = [None] * len(self.captured.outputs)
+            keep = frozenset()
             if diff and executables.floats:
                 call = XlaCall(executables, arrays, diff, seed, place)
                 floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
                 rest, first = call.rest, call.first
             else:
                 # converting an output to torch waits for it; by then XLA is done reading the inputs
-                results = executables.forward(arrays, seed, place)
+                keep = self._keep
+                results = executables.forward(arrays, seed, place, keep)
                 floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in executables.floats]
                 rest, first = [results[i] for i in executables.rest], results[0] if results else None
         finally:
@@ -99,8 +122,46 @@ class Program:
             outputs[i] = value
         for i, value in zip(executables.rest, rest):
             slot = self.captured.outputs[i]
-            outputs[i] = to_torch(value, slot.dtype) if slot.dtype is not None else value
-        return self._finish(outputs, leaves, tensors)
+            outputs[i] = value if i in keep or slot.dtype is None else to_torch(value, slot.dtype)
+        return self._finish(outputs, leaves, tensors, place)
+
+    def _find_layout(self, tensors: list[torch.Tensor]) -> Layout | None:
+        """The layout (tpudist.parallelize) of the module's parameters and buffers, if any."""
+        for slot, tensor, long in zip(self._slots, tensors, self._long_lived):
+            if slot.kind in ("param", "buffer") or long:
+                found = layout_of_tensor(tensor)
+                if found is not None:
+                    return found
+        return None
+
+    def _call_laid_out(self, layout: Layout, tensors: list[torch.Tensor], leaves: list[Any],
+                       diff: tuple[int, ...]) -> Any:
+        """One call of a laid-out model: one program over the layout's mesh; the parameters and
+        buffers are the layout's arrays, the other inputs enter replicated (written ones stay
+        resident, laid out as what is written into them), the outputs come back whole."""
+        if diff:
+            names = ", ".join(self._slots[i].name for i in diff[:3])
+            raise NotImplementedError(
+                f"torch -> XLA: a compiled call of a model laid out by tpudist.parallelize runs without gradients "
+                f"({names} require grad); call it under torch.no_grad() or torch.inference_mode() for inference, "
+                "and train it with tpudist.compile_train_step(model, ...) or tpudist.fit, which take its mesh and layout")
+        executables = self._executables
+        arrays = []
+        for i, (slot, tensor) in enumerate(zip(self._slots, tensors)):
+            array = layout.array(tensor)
+            if array is None and slot.mutated:
+                array = self._resident.get(i, tensor, layout)
+                if array is None:
+                    array = layout.put(tensor.detach(), executables.laid_out.resident_spec(i))
+            if array is None:
+                array = layout.put(tensor.detach())
+            arrays.append(array)
+        seed = _seed() if self.captured.has_random else np.uint32(0)
+        results = executables.laid_out.forward(arrays, seed, layout, self._written, self._scatters)
+        outputs: list[Any] = []
+        for i, (value, slot) in enumerate(zip(results, self.captured.outputs)):
+            outputs.append(value if i in self._keep or slot.dtype is None else to_torch(value, slot.dtype))
+        return self._finish(outputs, leaves, tensors, layout)
 
     def _where(self, tensors: list[torch.Tensor]) -> Where:
         """Where this call computes: on the GPU of a module whose tensors are CUDA tensors (fixed by
@@ -125,20 +186,37 @@ class Program:
         if staging and not staging.checked:
             staging.check(jax.tree_util.tree_leaves(result))
 
-    def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor]) -> Any:
+    def _finish(self, outputs: list[Any], leaves: list[Any], tensors: list[torch.Tensor], place: Any) -> Any:
         if not self._writes_back:
             return self.captured.template.rebuild(outputs)
         user = []
         with torch.no_grad():
-            for value, slot in zip(outputs, self.captured.outputs):
-                if slot.kind == "buffer":
-                    # in place, as eager BatchNorm updates its running statistics
-                    tensors[self._buffer_position[slot.target]].copy_(value)
-                elif slot.kind == "input":
-                    leaves[slot.target].copy_(value)
-                else:
+            for j, (value, slot) in enumerate(zip(outputs, self.captured.outputs)):
+                if slot.kind in ("buffer", "input"):
+                    # in place, as eager BatchNorm updates its running statistics and a KV cache its tokens
+                    position = self._written[j]
+                    tensor = tensors[position]
+                    if isinstance(value, jax.Array):  # kept on the device: torch gets what changed
+                        scatter = self._scatters.get(j)
+                        if scatter is not None:
+                            write_scatter(tensor, scatter, outputs)
+                        else:
+                            tensor.copy_(to_torch(_whole(value, place), slot.dtype))
+                        self._resident.keep(position, tensor, place.device if isinstance(place, Where) else place,
+                                            value)
+                    else:
+                        tensor.copy_(value)
+                        self._resident.drop(position)
+                elif slot.kind == "user":
                     user.append(value)
         return self.captured.template.rebuild(user)
+
+
+def _whole(array: jax.Array, place: Where | Layout) -> jax.Array:
+    """A kept array's whole value where torch can view it."""
+    if isinstance(place, Where):
+        return host_values([array])[0] if place.host else array
+    return whole(array, place)
 
 
 def _seed() -> np.uint32:

@@ -40,7 +40,11 @@ class Progress:
             self.bar.start()
 
     def epoch(self, epoch: int, epochs: int, total: int | None) -> None:
-        self._title, self._total, self._done = f"epoch {epoch}/{epochs}", total, 0
+        self.start(f"epoch {epoch}/{epochs}", total)
+
+    def start(self, title: str, total: int | None) -> None:
+        """A new task on the bar: `title`, `total` steps (None: unknown)."""
+        self._title, self._total, self._done = title, total, 0
         if self.bar is not None:
             self.task = self.bar.add_task(self._title, total=total, info="")
 

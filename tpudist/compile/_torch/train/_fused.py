@@ -34,14 +34,14 @@ from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch.lowering._capture import autocast_state
 from tpudist.compile._torch.train._lazy import LazyScalar
 from tpudist.compile._torch.train._loader import DeviceBatch, batch_rows
-from tpudist.compile._torch.train._meta import materialize, on_meta
+from tpudist.compile._torch._layout import step_placement
 from tpudist.compile._torch.train._memory import StepMemory, step_memory
 from tpudist.compile._torch._stats import CaptureStats
 from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch._sync import leaf_key
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
-from tpudist.compile._torch._placement import AXIS, Placement, SpmdPlacement
-from tpudist.compile._torch.train._sharding import Sharding, describe, resolve
+from tpudist.compile._torch._placement import Placement, SpmdPlacement
+from tpudist.compile._torch._sharding import Sharding, describe
 from tpudist.compile._torch.train._groups import ParamGroups
 from tpudist.compile._torch.train._plan import Objective
 from tpudist.compile._torch.train._signature import Signature
@@ -83,8 +83,7 @@ class TrainStep:
         self.kind = _optim.kind_of(optimizer)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_grad_norm, self.accumulate_steps = max_grad_norm, accumulate_steps
-        self.sharding = None if sharding is None else Sharding.of(sharding)
-        self.placement, self._specs, preloaded = _place(model, mesh, self.sharding)
+        self.sharding, self.placement, self._specs, preloaded = step_placement(model, mesh, sharding)
         self.mesh = self.placement.mesh
         self.local_devices = self.placement.local_count
         self.stats = TrainStepStats()
@@ -263,38 +262,6 @@ class TrainStep:
         self.stats.capture_seconds += program.capture_seconds
         self.stats.compiles += 1
         return program
-
-
-def _place(model: torch.nn.Module, mesh: Mesh | None,
-           sharding: Sharding | None) -> tuple[Placement | SpmdPlacement, dict, dict]:
-    """The step's placement over `mesh` (default: every device on one "data" axis, or on one "fsdp"
-    axis for FSDP), each parameter's layout, and the parameters a meta-device model was initialised
-    into (see _meta)."""
-    if mesh is None:
-        from tpudist.mesh import make_mesh
-        if sharding is not None and sharding.rules:
-            raise ValueError("a tensor-parallel plan needs a mesh with its axes: pass mesh=tpudist.mesh.make_mesh("
-                             "{'fsdp': -1, 'model': M}) (or {'data': -1, 'model': M})")
-        mesh = make_mesh({sharding.fsdp_axis if sharding and sharding.fsdp_axis else AXIS: -1})
-    if sharding is not None:
-        if any(getattr(p, SHARDED_ATTR, False) for p in model.parameters()):
-            raise NotImplementedError("the sharded fused step does not take tpudist.nn.ShardedEmbedding layers "
-                                      "yet (they split their rows by themselves): train it without sharding=, "
-                                      "or lay the embedding out with the plan (an nn.Embedding, 'rowwise')")
-        specs = resolve(sharding, model, mesh)
-        placement = SpmdPlacement(mesh, specs)
-        preloaded = {}
-        if on_meta(model):  # each module initialised straight into its shards (see _meta)
-            preloaded = materialize(model, lambda t, p: placement.put(t, specs.get(id(p), P()), copy=True))
-        return placement, specs, preloaded
-    if on_meta(model):
-        raise ValueError(f"{type(model).__name__} is on the meta device: initialising it into shards needs "
-                         "sharding= (e.g. 'fsdp'); for data parallelism build it on the CPU")
-    if tuple(mesh.axis_names) != (AXIS,):
-        raise ValueError(f"the fused step over a mesh with axes {tuple(mesh.axis_names)} needs sharding= (how to "
-                         "lay the parameters out: 'fsdp', a tensor-parallel plan, tpudist.Sharding(...)); "
-                         f"without it the step is data-parallel over a 1-D {AXIS!r} mesh")
-    return Placement(mesh), {}, {}
 
 
 def _examples(leaves: list[Any], keys: tuple, device_rows: int, placement: Any) -> list[Any]:

@@ -39,10 +39,11 @@ from torch.utils.hooks import RemovableHandle
 
 from tpudist import contract
 from tpudist._buffers import torch_view
-from tpudist.compile._torch.train import _optim, _stale
+from tpudist.compile._torch.train import _optim
+from tpudist.compile._torch import _stale
 from tpudist.compile._torch import _sync
 from tpudist.compile._torch.train._device import DeviceState, crossings
-from tpudist.compile._torch.train._meta import hollow
+from tpudist.compile._torch._meta import hollow
 
 if TYPE_CHECKING:
     from tpudist.compile._torch._placement import Placement

@@ -46,8 +46,18 @@ def attention(*args):
             bias=None if bias is None else jnp.broadcast_to(bias, _scores_shape(q, k)).astype(q.dtype),
             mask=None if keep is None else jnp.broadcast_to(keep, _scores_shape(q, k)),
             scale=scale, is_causal=causal)
-        return out.swapaxes(1, 2)
+        out = out.swapaxes(1, 2)
+        if mask is not None:  # XLA's masks a row of nothing with a finite minimum: uniform weights, not 0
+            out = jnp.where(_attends_nowhere(mask), 0, out).astype(out.dtype)
+        return out
     return _math(key, q, k, v, mask, dropout_p, causal, scale)
+
+
+def _attends_nowhere(mask):
+    """Per query: whether its mask keeps no key (all False, or all -inf); torch's attention gives
+    such a query 0 (a left-padded batch's padding rows), and 0 gradient."""
+    dropped = ~mask if mask.dtype == jnp.bool_ else mask == -jnp.inf
+    return jnp.all(dropped, axis=-1, keepdims=True)
 
 
 def _scores_shape(q, k):
@@ -56,8 +66,10 @@ def _scores_shape(q, k):
 
 def _math(key, q, k, v, mask, dropout_p, causal, scale):
     k, v = _shared(q, k, v)
-    scores = _scores(q, k, mask, causal, scale)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    scores = _scores(q, k, mask, causal, scale).astype(jnp.float32)
+    # a query whose every score is -inf attends nowhere: 0, as torch's kernels give (not NaN)
+    nowhere = jnp.all(scores == -jnp.inf, axis=-1, keepdims=True)
+    weights = jnp.where(nowhere, 0, jax.nn.softmax(jnp.where(nowhere, 0, scores), axis=-1)).astype(q.dtype)
     if key is not None and dropout_p > 0:
         kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)

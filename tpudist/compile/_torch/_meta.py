@@ -65,7 +65,8 @@ def materialize(model: torch.nn.Module, put: Any) -> dict[int, jax.Array]:
             if id(p) in arrays:
                 continue
             arrays[id(p)] = put(p.detach(), p)
-            hole = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            # NaN where it can be: a read that bypasses every door shows it, never plausible numbers
+            hole = torch.full((), float("nan") if p.dtype.is_floating_point else 0, dtype=p.dtype).expand(p.shape)
             torch.utils.swap_tensors(p, torch.nn.Parameter(hole, requires_grad=p.requires_grad))
     return arrays
 
