@@ -88,7 +88,7 @@ def sharded_generation(kind: str) -> dict:
         logits = tpudist.compile(model)(ids).logits
     model.forward = torch.compile(model.forward, backend="tpudist")
     cache = StaticCache(config=model.config, max_cache_len=32)
-    tokens = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    tokens = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache)
     memory = tpudist.layout(model).memory()
     replies = tpudist.generate(model, requests, buckets=(8, 16), batch_size=4, max_new_tokens=5)
     return {"logits": logits.numpy(), "want_logits": want_logits.numpy(), "exact": want_logits64.numpy(),
@@ -196,3 +196,54 @@ def test_the_fused_step_trains_a_laid_out_model_on_its_mesh_and_layout():
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
     with pytest.raises(NotImplementedError, match="compile_train_step"):
         tpudist.compile(model)(ids)
+
+
+@pytest.mark.tpudist(nprocs=1, cpu_devices=2)
+def test_a_checkpoint_of_a_layout_restores_into_a_meta_model_laid_out_another_way(tmp_path):
+    """A laid-out model's state saves shard by shard and restores straight into the shards of a
+    meta-device model laid out over another mesh (orbax reshards): the restored model generates
+    the saved one's tokens, and nothing of the weights came through the host."""
+    source = tiny("llama")
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    want = source.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    tpudist.parallelize(source, tpudist.mesh.make_mesh({"model": 2}), "llama")
+    tpudist.checkpoint.save(str(tmp_path), 1, tpudist.layout(source).state())
+    target = tiny("llama", meta=True)
+    tpudist.parallelize(target, tpudist.mesh.make_mesh({"data": 2}))  # replicated, another mesh
+    layout = tpudist.layout(target)
+    _, state = tpudist.checkpoint.restore(str(tmp_path), like=layout.state())
+    layout.load_state(state)
+    assert layout.memory()["parameters"] == layout.memory()["parameters_total"]  # replicated: whole per device
+    replies = tpudist.generate(target, [ids[0].tolist()], buckets=(5,), batch_size=1, max_new_tokens=5)
+    assert replies[0] == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.tpudist(nprocs=1, cpu_devices=2)
+def test_beam_search_on_a_laid_out_model_gives_eager_torchs_beams():
+    """Beam search with the static cache (Hugging Face reorders the cache in torch between steps:
+    the device copy is dropped and taken again, never used stale)."""
+    eager, model = tiny("llama"), tiny("llama")
+    ids = torch.tensor([[3, 14, 15, 92, 65], [7, 1, 5, 9, 11]])
+    want = eager.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False, cache_implementation="static")
+    tpudist.parallelize(model, tpudist.mesh.make_mesh({"model": 2}), "llama")
+    model.forward = torch.compile(model.forward, backend="tpudist")
+    got = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False, cache_implementation="static")
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.tpudist(nprocs=1, cpu_devices=1, env={"TPUDIST_TORCH_HOST_VIEW": "0"})
+def test_one_device_generation_keeps_torchs_cache_current_by_what_each_token_wrote():
+    """Unsharded, on the accelerator's path (torch cannot view the device's memory): greedy tokens
+    equal eager torch's, and the torch tensors of the static cache, kept current by the tokens'
+    scatter write-backs while the device holds the cache, equal eager torch's cache."""
+    from transformers import StaticCache
+    eager, model = tiny("gpt2"), tiny("gpt2")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2]])
+    caches = [StaticCache(config=m.config, max_cache_len=16) for m in (eager, model)]
+    want = eager.generate(ids, max_new_tokens=6, do_sample=False, cache=caches[0])
+    model.forward = torch.compile(model.forward, backend="tpudist")
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, cache=caches[1])
+    assert got.tolist() == want.tolist()
+    for mine, theirs in zip(caches[1].layers, caches[0].layers):
+        np.testing.assert_allclose(mine.keys.numpy(), theirs.keys.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(mine.values.numpy(), theirs.values.numpy(), rtol=1e-4, atol=1e-5)

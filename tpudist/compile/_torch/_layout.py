@@ -151,6 +151,49 @@ class Layout:
                 out[kind] = max(out[kind], slot[kind])
         return out
 
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, dict[str, jax.Array]]:
+        """{"params": {name: array}, "buffers": {name: array}}: the global arrays as laid out, for
+        `tpudist.checkpoint.save` (each process writes its own shards) and as `restore`'s `like`."""
+        model = self._model()
+        params = {id(p) for p in model.parameters()} if model is not None else set()
+        tree: dict[str, dict[str, jax.Array]] = {"params": {}, "buffers": {}}
+        for key, entry in self._entries.items():
+            tensor = entry.ref()
+            if tensor is not None:
+                tree["params" if key in params else "buffers"][entry.name] = self.array(tensor)
+        return tree
+
+    def load_state(self, tree: dict[str, dict[str, Any]]) -> None:
+        """Makes `tree` (as `state()` gives it: `tpudist.checkpoint.restore(d, like=layout.state())[1]`,
+        each process reading only its own shards) the model's values, laid out as this layout
+        says. Torch's tensors become placeholders whose reads go through the door (as after a
+        meta-device init): nothing is gathered to the host."""
+        given = {**tree.get("params", {}), **tree.get("buffers", {})}
+        names = {e.name for e in self._entries.values() if e.ref() is not None}
+        missing, unknown = sorted(names - set(given)), sorted(set(given) - names)
+        if missing or unknown:
+            raise ValueError(f"load_state: the state does not match the model's layout: missing {missing[:4]}, "
+                             f"unknown {unknown[:4]}; restore with like=tpudist.layout(model).state()")
+        hollow = []
+        for entry in self._entries.values():
+            tensor = entry.ref()
+            if tensor is None:
+                continue
+            array = given[entry.name]
+            if tuple(array.shape) != tuple(tensor.shape):
+                raise ValueError(f"load_state: {entry.name} has shape {tuple(array.shape)} in the state and "
+                                 f"{tuple(tensor.shape)} in the model")
+            entry.array = relaid(self.mesh, entry.spec)(array)
+            if not tensor.is_floating_point():  # (small: position ids, counters) torch gets the values
+                tensor.data = torch.from_numpy(np.array(relaid(self.mesh)(array).addressable_data(0)))
+            elif not self._is_hollow(tensor):
+                tensor.data = torch.full((), float("nan"), dtype=tensor.dtype).expand(tensor.shape)
+                hollow.append(tensor)
+            entry.version = _state(tensor)
+        self._hollow += _stale.mark(hollow, self._classes, self)
+
     # -- the door for placeholders (a model built on the meta device) ------------------------------
 
     def holds_placeholders(self) -> bool:

@@ -28,9 +28,11 @@ from tpudist.compile._torch.lowering.ops import linalg
 _PLACEMENT_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format", "non_blocking"})
 
 
-def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
+def lower(captured: Captured, scan: bool = True) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
     """The JAX function computing `captured`'s graph: `run(tensor_inputs, key) -> outputs`; `key` is a
-    JAX PRNG key when `captured.has_random`, else ignored."""
+    JAX PRNG key when `captured.has_random`, else ignored. `scan`: identical layers as one
+    `lax.scan` (TPUDIST_SCAN_LAYERS), else each on its own (what inference wants: a scan over
+    separate weight arrays stacks them, and the layers' caches, at every call)."""
     nodes = list(captured.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
@@ -38,7 +40,7 @@ def lower(captured: Captured) -> Callable[[Sequence[jax.Array], Any], tuple[Any,
     pieces = _sibling_pieces(nodes)
     positions = {node: i for i, node in enumerate(nodes)}
     calls = [n for n in nodes if n.op == "call_function"]
-    steps = _steps(calls, positions, find_scans(calls, min_layers()))
+    steps = _steps(calls, positions, find_scans(calls, min_layers()) if scan else [])
 
     def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))

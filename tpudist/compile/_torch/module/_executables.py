@@ -34,10 +34,12 @@ class Executables:
     def __init__(self, captured: Captured, observe: Callable[[Any], None]):
         self.captured = captured
         self._observe = observe
-        run = lower(captured)
+        run, unrolled = lower(captured), lower(captured, scan=False)
         random = captured.has_random
         # each call's seed (drawn from torch's generator) becomes the graph's PRNG key in-graph
         self._run = lambda arrays, seed: run(arrays, jax.random.key(seed) if random else None)
+        # calls without gradients (inference) run every layer on its own: see lower's `scan`
+        self._infer = lambda arrays, seed: unrolled(arrays, jax.random.key(seed) if random else None)
         outputs = captured.outputs
         # floating user outputs go through autograd; everything else (ints, buffer updates) does not
         self.floats = tuple(i for i, o in enumerate(outputs) if o.kind == "user" and o.dtype is not None
@@ -51,12 +53,13 @@ class Executables:
         self._compiled_backward: dict[Any, Any] = {}
         self._packings: dict[tuple[int, ...], Packing] = {}
         self._reached: dict[tuple, tuple[bool, ...]] = {}
-        self.laid_out = MeshRun(captured, self._run)  # for a model laid out by tpudist.parallelize
+        self.laid_out = MeshRun(captured, self._infer)  # for a model laid out by tpudist.parallelize
+        self._donating: dict[tuple[int, ...], Any] = {}  # plain forwards that donate written inputs
         # fresh cotangents from torch's autograd: staged like the inputs (see InputStaging), per
         # device; absent until the first backward there decides, False where they are imported afresh
         self._cotangent_staging: dict[Any, InputStaging | bool] = {}
         if self._spmd is None:
-            self._forward = jax.jit(lambda arrays, seed: self._run(arrays, seed))
+            self._forward = jax.jit(lambda arrays, seed: self._infer(arrays, seed))
             self._forward_with_vjp = jax.jit(self._vjp_forward, static_argnums=0)
             self._backward = jax.jit(lambda vjp, cotangents: _packed(_apply_vjp(vjp, cotangents)))
             self._scale = jax.jit(lambda grads, c: [(g * c).astype(g.dtype) for g in grads])
@@ -95,18 +98,35 @@ class Executables:
         _, vjp = jax.vjp(differentiable, [arrays[p] for p in diff])
         return _apply_vjp(vjp, cotangents)
 
-    def forward(self, arrays: list[jax.Array], seed: Any, where: Where, keep: frozenset[int] = frozenset()) -> list[Any]:
+    def forward(self, arrays: list[jax.Array], seed: Any, where: Where, keep: frozenset[int] = frozenset(),
+                donate: tuple[int, ...] = ()) -> list[Any]:
         """Every output of the graph, with no gradient plumbing (nothing to differentiate), where
         torch can view it (`where.host`: copied to the host), except the outputs at `keep`, which
-        stay on the device."""
+        stay on the device. The arrays at input positions `donate` are the executable's to reuse
+        (a written input's resident array: updated in place, not copied)."""
         if self._spmd is None:
-            result = self._forward(arrays, seed)
+            result = self._forward(arrays, seed) if not donate else self._donating_forward(donate)(arrays, seed)
             self._observe(result)
         else:
             spmd = self._spmd
             outs = self._forward([spmd.to_global(a) for a in arrays], spmd.to_global(np.asarray(seed)))
             result = [spmd.to_local(o) for o in outs]
         return host_values(result, keep) if where.host else result
+
+    def _donating_forward(self, donate: tuple[int, ...]) -> Callable[[list[jax.Array], Any], Any]:
+        call = self._donating.get(donate)
+        if call is None:
+            def merged(arrays: list[Any], written: list[jax.Array], seed: Any) -> Any:
+                full = list(arrays)
+                for position, array in zip(donate, written):
+                    full[position] = array
+                return self._infer(full, seed)
+            jitted = jax.jit(merged, donate_argnums=1)
+            gone = frozenset(donate)
+            call = self._donating[donate] = lambda arrays, seed: jitted(
+                [None if i in gone else a for i, a in enumerate(arrays)], [arrays[i] for i in donate], seed)
+            call.jitted = jitted
+        return call
 
     def forward_with_vjp(self, diff: tuple[int, ...], arrays: list[jax.Array], seed: Any, where: Where):
         """(floating outputs, other outputs, VJP closure): one XLA executable per `diff` and device,
@@ -192,6 +212,7 @@ class Executables:
     def count(self) -> int:
         """How many XLA executables have been compiled so far (0 where JAX cannot say)."""
         jitted = {id(f): f for f in (self._forward, self._forward_with_vjp, self._backward)}.values()
+        jitted = [*jitted, *(call.jitted for call in self._donating.values())]
         return (sum(getattr(f, "_cache_size", lambda: 0)() for f in jitted) + len(self._compiled_forward)
                 + len(self._compiled_backward) + self.laid_out.compiles)
 

@@ -34,13 +34,14 @@ class MeshRun:
         return self._learned.get(position, P())
 
     def forward(self, arrays: list[jax.Array], seed: Any, layout: Any, written: dict[int, int],
-                scatters: dict[int, Any]) -> list[Any]:
+                scatters: dict[int, Any], donate: tuple[int, ...] = ()) -> list[Any]:
         """Every output of the graph: the written inputs' new arrays (outputs at `written`) stay on
         the devices, laid out as their inputs are; the rest cross to the host whole. At a written
         input's first call its layout is learned from what the call writes into it (a KV cache
         splits over heads as the new keys do): that call's executable leaves the write's layout
-        to XLA, and is not kept."""
-        key = tuple(a.sharding for a in arrays)
+        to XLA, and is not kept. The arrays at input positions `donate` (written inputs kept on the
+        devices) are the executable's to update in place."""
+        key = (tuple(a.sharding for a in arrays), donate)
         compiled = self._compiled.get(key)
         learn: dict[int, int] = {}
         if compiled is None:
@@ -53,17 +54,32 @@ class MeshRun:
                         free.add(scatters[j].values)
             outs = tuple(None if j in free else arrays[written[j]].sharding if j in written else layout.replicated
                          for j in range(self._outputs))
-            compiled = jax.jit(self._run, out_shardings=outs).lower(arrays, seed).compile()
+            compiled = _donating(self._run, donate, outs).lower(*_split(arrays, donate), seed).compile()
             self.compiles += 1
             if not learn:
                 self._compiled[key] = compiled
-        result = list(compiled(arrays, seed))
+        result = list(compiled(*_split(arrays, donate), seed))
         for j, position in learn.items():
             spec = _spec_of(result[scatters[j].values], result[j].shape) if j in scatters else P()
             self._learned[position] = spec
             result[j] = relaid(layout.mesh, spec)(result[j])
         return [value if j in written or not isinstance(value, jax.Array) else whole(value, layout)
                 for j, value in enumerate(result)]
+
+
+def _donating(run: Callable[[list[jax.Array], Any], Any], donate: tuple[int, ...], outs: tuple) -> Any:
+    """`run` jitted as `(arrays without those at donate, those at donate, seed)`, the second donated."""
+    def merged(arrays: list[Any], written: list[jax.Array], seed: Any) -> Any:
+        full = list(arrays)
+        for position, array in zip(donate, written):
+            full[position] = array
+        return run(full, seed)
+    return jax.jit(merged, out_shardings=outs, donate_argnums=1 if donate else ())
+
+
+def _split(arrays: list[jax.Array], donate: tuple[int, ...]) -> tuple[list[Any], list[jax.Array]]:
+    gone = frozenset(donate)
+    return [None if i in gone else a for i, a in enumerate(arrays)], [arrays[i] for i in donate]
 
 
 def whole(array: jax.Array, layout: Any) -> jax.Array:

@@ -97,9 +97,12 @@ class Program:
                 longs = self._views.get_all(self._long, [tensors[i] for i in self._long], device)
                 for i, array in zip(self._long, longs):
                     arrays[i] = array
+            donate = []  # resident written inputs: the executable updates them in place
             for i in self._short:
                 slot = self._slots[i]
                 kept = self._resident.get(i, tensors[i], device) if slot.mutated else None
+                if kept is not None:
+                    donate.append(i)
                 arrays[i] = (kept if kept is not None else staged[i] if staged is not None and i in staged
                              else to_jax(tensors[i], copy=slot.mutated, device=device))
             seed = _seed() if self.captured.has_random else np.uint32(0)
@@ -112,9 +115,11 @@ class Program:
             else:
                 # converting an output to torch waits for it; by then XLA is done reading the inputs
                 keep = self._keep
-                results = executables.forward(arrays, seed, place, keep)
+                results = executables.forward(arrays, seed, place, keep, tuple(donate))
                 floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in executables.floats]
-                rest, first = [results[i] for i in executables.rest], results[0] if results else None
+                rest = [results[i] for i in executables.rest]
+                # what staging waits on before reusing its buffers: an output no later call donates
+                first = next((r for i, r in enumerate(results) if i not in keep and isinstance(r, jax.Array)), None)
         finally:
             if staged is not None and not staging.release(first):
                 self._stagings[device] = False  # unsafe to reuse (see InputStaging.release): import afresh from now on
@@ -146,18 +151,20 @@ class Program:
                 f"({names} require grad); call it under torch.no_grad() or torch.inference_mode() for inference, "
                 "and train it with tpudist.compile_train_step(model, ...) or tpudist.fit, which take its mesh and layout")
         executables = self._executables
-        arrays = []
+        arrays, donate = [], []
         for i, (slot, tensor) in enumerate(zip(self._slots, tensors)):
             array = layout.array(tensor)
             if array is None and slot.mutated:
                 array = self._resident.get(i, tensor, layout)
-                if array is None:
+                if array is not None:
+                    donate.append(i)
+                else:
                     array = layout.put(tensor.detach(), executables.laid_out.resident_spec(i))
             if array is None:
                 array = layout.put(tensor.detach())
             arrays.append(array)
         seed = _seed() if self.captured.has_random else np.uint32(0)
-        results = executables.laid_out.forward(arrays, seed, layout, self._written, self._scatters)
+        results = executables.laid_out.forward(arrays, seed, layout, self._written, self._scatters, tuple(donate))
         outputs: list[Any] = []
         for i, (value, slot) in enumerate(zip(results, self.captured.outputs)):
             outputs.append(value if i in self._keep or slot.dtype is None else to_torch(value, slot.dtype))
