@@ -512,6 +512,31 @@ def test_compiled_attention_forms():
         F.scaled_dot_product_attention(q3, k3, v3, scale=2.0)), q, kv, per_batch, bias, q3, k3, v3, rtol=1e-4)
 
 
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """How transformers shares key/value heads before attention with a mask (its `repeat_kv`)."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def test_heads_repeated_before_attention_are_attended_as_they_are():
+    """Llama-style attention (key/value heads repeated for the query heads, then a masked SDPA)
+    computes eager torch's values and gradients, and is captured as grouped-query attention on the
+    heads as they are: no copy of the keys and values per query head (a static KV cache's whole
+    length, per layer and token, in decoding)."""
+    from tpudist.compile._torch.lowering._capture import capture
+    q, k, v = randn(2, 4, 3, 8), randn(2, 2, 6, 8, seed=1), randn(2, 2, 6, 8, seed=2)
+    keep = torch.rand(2, 1, 3, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+    keep[..., 0] = True
+    per_head = randn(2, 4, 3, 6, seed=4)
+    attend = lambda q, k, v, keep, per_head: (  # noqa: E731
+        F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=keep),
+        F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=per_head),
+        F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), is_causal=True))
+    check_compiled(attend, q, k, v, keep, per_head, rtol=1e-4)
+    ops = capture(Fn(attend), (q, k, v, keep, per_head), {}).op_counts
+    assert ops.get("tpudist.attention.default") == 3 and not any("expand" in op for op in ops), ops
+
+
 def test_attention_is_one_op_and_its_dropout_is_random():
     from tpudist.compile._torch.lowering._capture import capture
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)

@@ -39,8 +39,10 @@ class MeshRun:
         the devices, laid out as their inputs are; the rest cross to the host whole. At a written
         input's first call its layout is learned from what the call writes into it (a KV cache
         splits over heads as the new keys do): that call's executable leaves the write's layout
-        to XLA, and is not kept. The arrays at input positions `donate` (written inputs kept on the
-        devices) are the executable's to update in place."""
+        to XLA, and is not kept. The arrays at input positions `donate` (written inputs: kept on the
+        devices, or fresh copies) are the executable's to update in place, once their layout is
+        learned."""
+        donate = tuple(position for position in donate if position in self._learned)
         key = (tuple(a.sharding for a in arrays), donate)
         compiled = self._compiled.get(key)
         learn: dict[int, int] = {}

@@ -154,12 +154,11 @@ class Program:
         arrays, donate = [], []
         for i, (slot, tensor) in enumerate(zip(self._slots, tensors)):
             array = layout.array(tensor)
-            if array is None and slot.mutated:
+            if array is None and slot.mutated:  # kept from the last call, or a fresh copy: the executable's to update
                 array = self._resident.get(i, tensor, layout)
-                if array is not None:
-                    donate.append(i)
-                else:
+                if array is None:
                     array = layout.put(tensor.detach(), executables.laid_out.resident_spec(i))
+                donate.append(i)
             if array is None:
                 array = layout.put(tensor.detach())
             arrays.append(array)

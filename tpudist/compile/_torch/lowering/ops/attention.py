@@ -65,7 +65,16 @@ def _scores_shape(q, k):
 
 
 def _math(key, q, k, v, mask, dropout_p, causal, scale):
-    k, v = _shared(q, k, v)
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    group = heads // k.shape[-3] if q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] != heads else 1
+    if group > 1:
+        # grouped-query attention on the key/value heads as they are: each query head's group is
+        # an axis of its own, so no copy of the keys and values per query head is made
+        q = q.reshape(*q.shape[:-3], k.shape[-3], group, *q.shape[-2:])
+        k, v = k[..., None, :, :], v[..., None, :, :]
+        if mask is not None and mask.ndim >= 3:
+            mask = (mask.reshape(*mask.shape[:-3], k.shape[-4], group, *mask.shape[-2:]) if mask.shape[-3] == heads
+                    else mask[..., None, :, :])
     scores = _scores(q, k, mask, causal, scale).astype(jnp.float32)
     # a query whose every score is -inf attends nowhere: 0, as torch's kernels give (not NaN)
     nowhere = jnp.all(scores == -jnp.inf, axis=-1, keepdims=True)
@@ -73,7 +82,8 @@ def _math(key, q, k, v, mask, dropout_p, causal, scale):
     if key is not None and dropout_p > 0:
         kept = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(kept, weights / (1.0 - dropout_p), 0).astype(weights.dtype)
-    return jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
+    out = jnp.einsum("...ls,...sv->...lv", weights, v, **accumulation(weights, v))
+    return out.reshape(*out.shape[:-4], heads, *out.shape[-2:]) if group > 1 else out
 
 
 def _shared(q, k, v):
