@@ -32,6 +32,7 @@ import torch
 from tpudist.compile._torch.lowering._shape_checks import check_shapes
 from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp, _observed
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
+from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
 from tpudist.compile._torch.lowering._outputs import FlatOutputs
 from tpudist.compile._torch.lowering.ops.ctc import CtcAsOneOp
@@ -267,7 +268,7 @@ def _keep_attention(gm: torch.fx.GraphModule) -> None:
             values.update(zip((a.name for a in schema), node.args))
             values.update(node.kwargs)
             key, value, gqa = values["key"], values["value"], bool(values["enable_gqa"])
-            shared = _unrepeated(key), _unrepeated(value)
+            shared = unrepeated(key), unrepeated(value)
             repeated = ()
             if shared[0] is not None and shared[1] is not None and shared[0][1] == shared[1][1]:
                 repeated = (key, value)
@@ -278,65 +279,8 @@ def _keep_attention(gm: torch.fx.GraphModule) -> None:
                          float(values["dropout_p"] or 0.0), bool(values["is_causal"]), values["scale"], gqa)
             node.kwargs = {}
             for dropped in repeated:
-                _erase_unused(gm.graph, dropped)
+                erase_unused(gm.graph, dropped)
     gm.recompile()
-
-
-def _erase_unused(graph: torch.fx.Graph, node: Any) -> None:
-    """Erases `node` and the chain of single-input view ops feeding it, as far as nothing else uses them."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and not node.users \
-            and node.target in _SAME_VALUES | {torch.ops.aten.expand.default}:
-        source = node.args[0]
-        graph.erase_node(node)
-        node = source
-
-
-_SAME_VALUES = {torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default,
-                torch.ops.aten.reshape.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
-                torch.ops.aten._unsafe_view.default}
-
-
-def _unrepeated(node: Any) -> tuple[torch.fx.Node, int] | None:
-    """(x, n) where `node` is each key/value head of x repeated n times in place, the way grouped-
-    query attention code shares heads (transformers' `repeat_kv`: x[:, :, None].expand(b, h, n, s, d)
-    .reshape(b, h * n, s, d)); None for anything else. Attention on x with enable_gqa is the same."""
-    if not isinstance(node, torch.fx.Node) or node.target not in (torch.ops.aten.reshape.default,
-                                                                  torch.ops.aten.view.default,
-                                                                  torch.ops.aten._unsafe_view.default):
-        return None
-    source = node.args[0]
-    while isinstance(source, torch.fx.Node) and source.target is torch.ops.aten.clone.default:
-        source = source.args[0]
-    if not isinstance(source, torch.fx.Node) or source.target is not torch.ops.aten.expand.default:
-        return None
-    out, wide, narrow = (_shape(n) for n in (node, source, source.args[0]))
-    if out is None or wide is None or narrow is None or len(out) != 4 or len(wide) != 5:
-        return None
-    b, h, n, s, d = wide
-    if narrow != (b, h, 1, s, d) or out != (b, h * n, s, d):
-        return None
-    base = source.args[0]
-    while isinstance(base, torch.fx.Node) and _shape(base) != (b, h, s, d):  # back through x[:, :, None]
-        if base.target not in _SAME_VALUES or not _whole(base):
-            return None
-        base = base.args[0]
-    return (base, n) if isinstance(base, torch.fx.Node) else None
-
-
-def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(value, torch.Tensor) or any(not isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(value.shape)
-
-
-def _whole(node: torch.fx.Node) -> bool:
-    """Whether a node of `_SAME_VALUES` keeps every value of its input (a slice over all of a dim)."""
-    if node.target is not torch.ops.aten.slice.Tensor:
-        return True
-    size = _shape(node.args[0])
-    dim, start, end, step = (list(node.args[1:]) + [0, 0, None, 1][len(node.args) - 1:])[:4]
-    return size is not None and (start or 0) == 0 and (end is None or end >= size[dim]) and (step or 1) == 1
 
 
 # static-shape rewrites for ops whose output shape depends on values
