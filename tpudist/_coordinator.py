@@ -4,8 +4,11 @@ JAX's coordination service (jaxlib 0.10) has no authentication: its gRPC server 
 credentials and takes no secret, and any client that reaches it may register as any process,
 which ends the job. So no process of a launched job reaches it over TCP:
 
-- rank 0 serves it on a Unix socket (`unix:/tmp/tpudist-<job>-<attempt>.sock`, on a multi-host job
-  `...-w0.sock`), created while the umask is 077, so only the job's user (and root) can open it;
+- rank 0 serves it on a Unix socket in the user's private directory on its host (`private_dir()`:
+  `$XDG_RUNTIME_DIR/tpudist`, else `/tmp/tpudist-<uid>`, 0700; the launcher's plan names it
+  `unix:${TPUDIST_PRIVATE_DIR}/tpudist-<job>-<attempt>.sock`, `...-w0.sock` on a multi-host job,
+  and each host's agent puts its directory in), created while the umask is 077, so only the job's
+  user (and root) can open it, and no other user can create the path first;
 - on a multi-host job the other hosts' processes reach it through the agents' gate
   (tpudist/launch/agent/_gate.py): their own host's private socket (`...-w<worker>.sock`), relayed
   to worker 0's agent at the advertised host:port (TPUDIST_COORDINATOR_GATE), which lets through only
@@ -26,6 +29,7 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator, Mapping
 
 import tpudist.contract as contract
@@ -33,6 +37,52 @@ import tpudist.contract as contract
 log = logging.getLogger("tpudist")
 
 UNIX_PREFIX = "unix:"
+PRIVATE_DIR_TOKEN = contract.PRIVATE_DIR_TOKEN
+
+
+def private_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """This user's private directory on this host for the job's Unix sockets: `$XDG_RUNTIME_DIR/tpudist`
+    when XDG_RUNTIME_DIR is this user's own 0700 directory, else `/tmp/tpudist-<uid>`. Created 0700
+    (mkdir is atomic); one that exists is used only when it is a directory (not a link) of this
+    user that no one else can enter. Raises RuntimeError naming the path and what is wrong."""
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and _problem(runtime) is None:
+        path = os.path.join(runtime, "tpudist")
+    else:
+        path = f"/tmp/tpudist-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise RuntimeError(f"cannot create the private directory {path} for the job's sockets: {e.strerror}") from None
+    if (problem := _problem(path)) is not None:
+        raise RuntimeError(
+            f"{path} is not a private directory of this user ({problem}): another user may have created it "
+            f"to reach the job's coordinator. Remove it, or set XDG_RUNTIME_DIR to a 0700 directory of your own.")
+    return path
+
+
+def _problem(path: str) -> str | None:
+    """Why `path` is not this user's private directory (None when it is)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return e.strerror
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):o}, open to others"
+    return None
+
+
+def resolve_private(value: str, environ: Mapping[str, str] = os.environ) -> str:
+    """`value` with the plan's PRIVATE_DIR_TOKEN replaced by this host's `private_dir()`."""
+    return value.replace(PRIVATE_DIR_TOKEN, private_dir(environ)) if PRIVATE_DIR_TOKEN in value else value
 
 
 def is_unix(address: str | None) -> bool:

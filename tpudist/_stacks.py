@@ -1,7 +1,11 @@
 """Every rank's Python stacks on request, and what it last did: the runtime's side of hang reports.
 
-`tpudist.init()` calls `install()`. Under the launcher, whose agent gives each process a private
-directory in TPUDIST_DEBUG_DIR, it
+Under the launcher, whose agent gives each process a private directory in TPUDIST_DEBUG_DIR, the
+first Python process of each rank calls `install()` at start-up (the agent's startup hook,
+tpudist/_hook/sitecustomize.py: any Python program, tpudist or not), and `tpudist.init()` calls it
+too (a no-op once installed). The first process to claim the directory (DIR/claim) installs; the
+others a rank starts (a wrapper's child, a spawned worker) skip while it runs, and the next one to
+start after it ended takes the claim over. It
 
 - registers faulthandler on `STACKS_SIGNAL`, all threads, writing to DIR/stacks. The dump is
   written by the signal handler itself (C, no GIL), so it comes while the main thread sleeps in C,
@@ -39,7 +43,7 @@ from typing import NamedTuple
 import tpudist.contract as contract
 
 STACKS_SIGNAL = signal.SIGRTMIN + 4  # a real-time signal: nothing else in the job uses it
-STACKS_FILE, PROGRESS_FILE, READY_FILE = "stacks", "progress", "ready"
+STACKS_FILE, PROGRESS_FILE, READY_FILE, CLAIM_FILE = "stacks", "progress", "ready", "claim"
 # The progress record: magic, collectives entered, when the last one was entered (CLOCK_MONOTONIC,
 # comparable between the processes of one host), its name.
 _LAYOUT = struct.Struct("<4sQd64s")
@@ -75,12 +79,19 @@ class Progress(NamedTuple):
 
 def install(environ=os.environ) -> None:
     """The stack dumper and progress record (under the launcher), and faulthandler on fatal
-    signals; at most once per process. Called by `tpudist.init()`."""
+    signals; at most once per process, in one process per rank. Called by the launcher's startup
+    hook and by `tpudist.init()`."""
     global _progress, _stacks_file
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)  # stderr: the agent keeps it for the failure table
     directory = environ.get(contract.DEBUG_DIR)
     if not directory or _stacks_file is not None:
+        return
+    try:  # one process per rank: the first to claim the directory, or the next once it has ended
+        if not _claim(os.path.join(directory, CLAIM_FILE)):
+            return
+    except OSError as e:
+        print(f"tpudist: no stack dumper for hang reports ({directory}: {e.strerror})", file=sys.stderr)
         return
     try:
         stacks = open(os.path.join(directory, STACKS_FILE), "ab", buffering=0)
@@ -100,6 +111,33 @@ def install(environ=os.environ) -> None:
         return
     _stacks_file, _progress = stacks, progress
     _LAYOUT.pack_into(_progress, 0, _MAGIC, 0, 0.0, b"")
+
+
+def _claim(path: str) -> bool:
+    """Whether this process now holds the claim at `path`: created here, or taken over from a
+    process that has ended (`sh -c "python prepare.py && python train.py"`: train.py's turn)."""
+    me = f"{os.getpid()}\n".encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            with open(path, "rb") as f:
+                holder = int(f.read().split()[0])
+            os.kill(holder, 0)
+            return False  # held by a process that runs
+        except ProcessLookupError:
+            pass  # it ended: take it over
+        except (OSError, ValueError, IndexError):
+            return False
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(me)
+        os.replace(tmp, path)
+        with open(path, "rb") as f:
+            return f.read() == me  # of two that took it over at once, the last one's
+    os.write(fd, me)
+    os.close(fd)
+    return True
 
 
 def entered(name: str) -> None:

@@ -43,8 +43,12 @@ MASTER_PORT = "MASTER_PORT"  # torch.distributed's rendezvous port (never the JA
 
 # tpudist's own names.
 # host:port of the JAX distributed coordinator (served by rank 0); in a launched job a Unix socket only
-# the job's user can open, `unix:/tmp/tpudist-<job>-<attempt>[-w<worker>].sock` (see tpudist/_coordinator.py)
+# the job's user can open, `unix:<private>/tpudist-<job>-<attempt>[-w<worker>].sock`, in the user's private
+# directory on each host (`$XDG_RUNTIME_DIR/tpudist` or `/tmp/tpudist-<uid>`, 0700: tpudist/_coordinator.py)
 COORDINATOR = "TPUDIST_COORDINATOR"
+# In the plan's addresses the private directory is this token; each host's agent resolves it before
+# its processes start (a process never sees it).
+PRIVATE_DIR_TOKEN = "${TPUDIST_PRIVATE_DIR}"
 # host:port of worker 0's coordinator gate on a multi-host job, which the agents relay the other
 # hosts' coordinator sockets to (tpudist/launch/agent/_gate.py); the processes need not read it
 COORDINATOR_GATE = "TPUDIST_COORDINATOR_GATE"
@@ -81,6 +85,10 @@ PROFILE_STEPS = "TPUDIST_PROFILE_STEPS"  # "A:B": the steps of fit to trace
 # its stack dumper's output and its progress record there (tpudist/_stacks.py), which the agent
 # reads when the launcher asks for every rank's stacks (--hang-timeout, SIGQUIT).
 DEBUG_DIR = "TPUDIST_DEBUG_DIR"
+# The agent's startup hook (tpudist/_hook/sitecustomize.py), first on PYTHONPATH of each process it
+# starts: it installs the stack dumper in any Python program, tpudist or not. "0": leave it out (the
+# stacks then come only from programs that call tpudist.init()).
+STARTUP_HOOK = "TPUDIST_STARTUP_HOOK"
 
 # The TPU preflight (`tpudist doctor`, and each host's agent before a job starts): where the TPU's
 # device nodes and libtpu's lock file are. Overridable for tests (stand-in paths); the launcher
@@ -140,7 +148,7 @@ DEFAULT_STOP_GRACE = 3.0
 ALL = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COORDINATOR,
        WORKER, NUM_WORKERS, HOST, CPU_DEVICES, PLATFORM, JOB_ID, INIT_TIMEOUT, COLLECTIVE_TIMEOUT,
        CACHE_DIR, RESTART, STOP_GRACE, HUGEPAGES, NUM_SLICES, SLICE_ID, SLICE_COORDINATOR, SLICE_PORT,
-       PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT, DEBUG_DIR,
+       PROFILE_DIR, PROFILE_STEPS, TPU_DEVICES, LIBTPU_LOCKFILE, JAX_AUTODETECT, DEBUG_DIR, STARTUP_HOOK,
        COORDINATOR_PORT, COORDINATOR_GATE, CONSOLE)
 
 

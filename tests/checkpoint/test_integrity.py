@@ -128,3 +128,43 @@ def test_a_save_that_fills_the_disk_removes_its_files_and_later_saves_work(tmp_p
         assert step == 4 and np.array_equal(state["w"], small["w"])
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+class _DiskFull:
+    """A stand-in for one host's disk filling up under its writes (one process of a shared
+    directory cannot be given a disk of its own here): the write's future fails as TensorStore's
+    does on ENOSPC."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.tpudist(nprocs=2, cpu_devices=1)
+def test_a_save_that_fails_on_one_process_fails_on_every_process_within_seconds(tmp_path):
+    import time
+
+    import orbax.checkpoint as ocp
+
+    rank = tpudist.process_index()
+    directory = str(tmp_path / "ckpt")  # the same path on both ranks
+    tpudist.checkpoint.save(directory, 1, _state(1.0))
+    original = ocp.PyTreeCheckpointHandler.async_save
+    if rank == 1:
+        async def failing(self, *args, **kwargs):
+            await original(self, *args, **kwargs)
+            return [_DiskFull()]
+        ocp.PyTreeCheckpointHandler.async_save = failing
+    start = time.monotonic()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            tpudist.checkpoint.save(directory, 2, _state(2.0))
+    finally:
+        ocp.PyTreeCheckpointHandler.async_save = original
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert "saving step 2 to" in message and "No space left on device" in message, message
+    if rank == 0:  # the process that wrote fine names the one that failed, at once, not after 1,200 s
+        assert "rank 1 on" in message and "could not write its part" in message, message
+    assert took < 20, (took, message)
+    tpudist.checkpoint.save(directory, 3, _state(3.0))  # the next save works on both
+    assert tpudist.checkpoint.latest_step(directory, verify=True) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -98,6 +99,11 @@ def mismatches() -> dict:
     out["small_vs_large"] = _error(lambda: tpudist.all_reduce(np.ones(4 if rank == 0 else 5000, np.float32)))
     out["keys"] = _error(lambda: tpudist.all_reduce({"a": f32, "b" if rank == 0 else "c": f32}))
     out["broadcast_keys"] = _error(lambda: tpudist.broadcast({"a": f32, "b" if rank == 0 else "c": f32}))
+    # Replica-group layouts that differ, each new to its process (before: every rank waited ~30 s
+    # in XLA's connection to peers that never came, then a timeout quoting the 6 s deadline).
+    start = time.monotonic()
+    out["groups"] = _error(lambda: tpudist.all_gather(f32, groups=[[0], [1]] if rank == 0 else [[1, 0]]))
+    out["groups_seconds"] = time.monotonic() - start
     out["agree_after_cached"] = tpudist.all_reduce(np.float32(rank + 1))
     # A peer that never arrives: rank 1 skips this collective; rank 0's error names it.
     start = time.monotonic()
@@ -113,6 +119,7 @@ def mismatch() -> list[dict]:
 
 
 @pytest.mark.parametrize("case, words", [
+    ("groups", ["all_gather", "groups", "(0,), (1,)", "(1, 0)"]),
     ("shape", ["all_reduce", "shapes", "(4, 5)", "(4, 6)"]),
     ("dtype", ["all_gather", "dtypes", "float32", "int32"]),
     ("op", ["all_reduce", "op", "'sum'", "'max'"]),
@@ -137,6 +144,31 @@ def test_peers_disagreeing_is_an_error_on_every_rank(mismatch, case, words):
 def test_a_signature_new_to_one_rank_disagrees_at_once(mismatch):
     for result in mismatch:
         assert result["new_on_one_seconds"] < 6, result["new_on_one"]  # the collective timeout is 6 s
+        assert result["groups_seconds"] < 6, result["groups"]
+
+
+def groups_after_a_layout_used_before() -> tuple:
+    rank = tpudist.process_index()
+    x = np.ones(4, np.float32)
+    tpudist.all_gather(x, groups=[[0, 1]])
+    tpudist.all_gather(x, groups=[[1, 0]])  # both layouts known to both ranks: no agreement on them
+    start = time.monotonic()
+    error = _error(lambda: tpudist.all_gather(x, groups=[[0, 1]] if rank == 0 else [[1, 0]]))
+    return error, time.monotonic() - start
+
+
+def test_replica_groups_that_differ_are_named_within_the_timeout_and_the_wait_quoted():
+    # Both layouts are known to both processes, so each runs its own executable: XLA waits for
+    # peers that are in another one. The error names both layouts, and quotes the time waited.
+    results = run_on_mesh(groups_after_a_layout_used_before, nprocs=2, cpu_devices=1, timeout=300,
+                          env={"TPUDIST_COLLECTIVE_TIMEOUT": "5"})
+    for rank, ((kind, message), seconds) in enumerate(results):
+        assert kind == "CollectiveError", message
+        waited = float(re.search(r"timed out after ([\d.]+)s", message).group(1))
+        assert 5 <= waited <= seconds, (waited, seconds, message)  # it quotes the time it waited
+        mine, theirs = ("(0, 1)", "(1, 0)") if rank == 0 else ("(1, 0)", "(0, 1)")
+        assert f"groups {mine} differ from rank {1 - rank}'s {theirs}" in message, message
+        assert seconds < 45, (seconds, message)
 
 
 def test_missing_peer_times_out_naming_the_rank(mismatch):
@@ -167,6 +199,8 @@ def test_missing_peer_on_a_cached_collective_times_out_and_later_calls_refuse(co
         cached_then_missing, nprocs=2, kwargs={"collective": collective}, timeout=300,
         env={"TPUDIST_COLLECTIVE_TIMEOUT": "5"})[0]
     assert kind == "CollectiveTimeout", message
-    assert f"{collective} (collective #2) timed out after 5s" in message and "ranks [1] did not arrive" in message
+    assert f"{collective} (collective #2) timed out after " in message and "ranks [1] did not arrive" in message
+    waited = float(re.search(r"timed out after ([\d.]+)s", message).group(1))
+    assert 5 <= waited <= seconds, (waited, seconds, message)  # the time it quotes is the time it waited
     assert 5 <= seconds < 15
     assert after_kind == "CollectiveError" and "restart the job" in after

@@ -214,7 +214,7 @@ def test_dry_run_local_uses_loopback_and_a_private_coordinator_socket():
     env = procs[0]["env"]
     assert env[contract.MASTER_ADDR] == "127.0.0.1"
     # one host: the JAX coordinator is a Unix socket (only the job's user can open it), no TCP port
-    assert env[contract.COORDINATOR] == "unix:/tmp/tpudist-dry-run-0.sock"
+    assert env[contract.COORDINATOR] == "unix:${TPUDIST_PRIVATE_DIR}/tpudist-dry-run-0.sock"
     assert env[contract.JAX_COORDINATOR_ADDRESS] == env[contract.JAX_COORDINATOR_BIND_ADDRESS]
     assert env[contract.JAX_COORDINATOR_ADDRESS] == env[contract.COORDINATOR]
     assert [p["rank"] for p in procs] == [0, 1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -140,6 +141,9 @@ def test_a_one_host_job_cannot_be_joined_by_a_stranger(tmp_path):
             mode = os.stat(path).st_mode & 0o777
             tried["socket mode"] = oct(mode)
             assert mode & 0o022 == 0, f"{path} is writable by others: {oct(mode)}"
+            folder = os.lstat(os.path.dirname(path))  # a directory no other user can enter or create in
+            assert stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.getuid(), path
+            assert stat.S_IMODE(folder.st_mode) == 0o700, (path, oct(folder.st_mode))
             if os.geteuid() == 0:
                 tried["as nobody"] = _as_another_user_connect(path)
         else:  # a TCP coordinator: reach it at this machine's other address, as from another host
@@ -261,3 +265,55 @@ def test_the_gate_relays_only_a_connection_that_proves_the_job_secret(tmp_path):
         worker1.close()
         rank0.close()
     assert not os.path.exists(relay)
+
+
+@pytest.mark.parametrize("planted", ["open to others", "a link"])
+def test_a_planted_socket_directory_is_refused_not_used(tmp_path, marker, planted):
+    # The user's private directory for the coordinator's socket ($XDG_RUNTIME_DIR/tpudist here) was
+    # created first by someone else: a directory open to all, or a link to one. The job must not
+    # start in it, and must say which path is wrong and why.
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    if planted == "a link":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        (runtime / "tpudist").symlink_to(elsewhere)
+    else:
+        (runtime / "tpudist").mkdir()
+        os.chmod(runtime / "tpudist", 0o777)
+    r = launch("--local", "--nproc-per-host", "1", "--", "python", "-c", "print('job ran')", marker,
+               env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)}, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and b"job ran" not in r.stdout, (r.returncode, err)
+    why = "mode 777, open to others" if planted == "open to others" else "a symbolic link"
+    assert f"{runtime / 'tpudist'} is not a private directory of this user ({why})" in err, err
+    assert not any(p.name.endswith(".sock") for p in (runtime / "tpudist").iterdir())
+
+
+def test_the_coordinator_socket_is_in_the_users_own_runtime_directory(tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    code = "import os; print('coordinator', os.environ['TPUDIST_COORDINATOR'])"
+    r = launch("--local", "--nproc-per-host", "1", "--", "python", "-c", code,
+               env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)}, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"coordinator unix:{runtime / 'tpudist'}/tpudist-".encode() in r.stdout, r.stdout
+    assert stat.S_IMODE(os.lstat(runtime / "tpudist").st_mode) == 0o700
+
+
+def test_a_socket_directory_owned_by_another_user_is_refused(tmp_path):
+    from tpudist import _coordinator
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    assert _coordinator.private_dir(env) == str(runtime / "tpudist")  # made here, 0700
+    assert stat.S_IMODE(os.lstat(runtime / "tpudist").st_mode) == 0o700
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user's needs root")
+    os.chown(runtime / "tpudist", 65534, 65534)  # as if user nobody had created it first
+    with pytest.raises(RuntimeError, match=rf"{runtime / 'tpudist'} is not a private directory of this user "
+                                           rf"\(owned by uid 65534, not {os.getuid()}\)"):
+        _coordinator.private_dir(env)
+    # XDG_RUNTIME_DIR itself open to others: not used; /tmp/tpudist-<uid> instead
+    os.chmod(runtime, 0o777)
+    assert _coordinator.private_dir(env) == f"/tmp/tpudist-{os.getuid()}"

@@ -22,13 +22,15 @@ pytestmark = pytest.mark.slow
 HANG_S = 4
 # Until both ranks are ready, a thread prints a line every 0.5 s: start-up (importing JAX, joining,
 # the first compile) is progress, however slow a busy machine makes it; only the stuck phase is silent.
-JOB = textwrap.dedent("""
-    import sys, threading, time
+TICK = textwrap.dedent("""
+    import os, sys, threading, time
     ready = threading.Event()
     def tick():
         while not ready.wait(0.5):
             print("starting", flush=True)
     threading.Thread(target=tick, daemon=True).start()
+""")
+JOB = TICK + textwrap.dedent("""
 
     import numpy as np
     import tpudist
@@ -207,3 +209,69 @@ def test_compiled_steps_are_progress(tmp_path, marker, no_leftovers):
     assert r.returncode == 0, err
     assert b"rank 0 done" in r.stdout and b"rank 1 done" in r.stdout
     assert "no rank made progress" not in err, err
+
+
+# A program that never imports tpudist: torchrun's contract (RANK, MASTER_ADDR, ...) and
+# torch.distributed over gloo, started through a shell wrapper (its Python is the shell's child).
+# The launcher's startup hook gives it a stack dumper; the user's own sitecustomize still runs.
+PLAIN_JOB = TICK + textwrap.dedent("""
+
+    import torch
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(4))
+    ready.set()
+    print(f"rank {rank} ready", flush=True)
+    if rank == 1:
+        time.sleep(3600)  # LINE:sleep
+    dist.all_reduce(torch.ones(4))  # LINE:wait
+""")
+
+
+def test_a_program_without_tpudist_gets_its_hang_explained(tmp_path, marker, no_leftovers):
+    job = tmp_path / "plain_job.py"
+    job.write_text(PLAIN_JOB)
+    own = tmp_path / "own_site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("print('own sitecustomize ran', flush=True)\n")
+    line = {tag: next(i for i, text in enumerate(PLAIN_JOB.splitlines(), 1) if text.endswith(f"# LINE:{tag}"))
+            for tag in ("sleep", "wait")}
+    r = launch("--local", *_flags("--hang-timeout", str(HANG_S), "--env", f"PYTHONPATH={own}"), "--",
+               "sh", "-c", 'python "$@"; exit $?', "sh", str(job), marker, timeout=150)
+    err = r.stderr.decode()
+    print(err)
+    assert r.returncode == 124, err
+    assert r.stdout.count(b"own sitecustomize ran") == 2, r.stdout
+    assert f"plain_job.py:{line['sleep']} in <module>" in _row(err, 1), err
+    assert re.search(r"in torch\.distributed\.all_reduce\s+.*\(from plain_job\.py:%d in <module>\)" % line["wait"],
+                     _row(err, 0)), err
+    assert re.search(r"root cause: no rank made progress for \d+ s \(--hang-timeout\); rank 1 on localhost "
+                     r"\(worker 0, pid \d+\) is at plain_job\.py:%d in <module>, outside any collective, while "
+                     r"rank 0 waits in torch\.distributed\.all_reduce" % line["sleep"], err), err
+
+
+# A plain JAX program (jax.distributed.initialize() with no arguments reads the variables the
+# launcher sets): rank 1 never joins, rank 0 waits in initialize.
+JAX_JOB = TICK + textwrap.dedent("""
+
+    import jax
+    ready.set()
+    if os.environ["RANK"] == "1":
+        time.sleep(3600)  # LINE:sleep
+    jax.distributed.initialize()  # LINE:wait
+""")
+
+
+def test_a_plain_jax_program_waiting_to_join_is_named(tmp_path, marker, no_leftovers):
+    job = tmp_path / "jax_job.py"
+    job.write_text(JAX_JOB)
+    line = {tag: next(i for i, text in enumerate(JAX_JOB.splitlines(), 1) if text.endswith(f"# LINE:{tag}"))
+            for tag in ("sleep", "wait")}
+    r = launch("--local", *_flags("--hang-timeout", str(HANG_S)), "--", "python", str(job), marker, timeout=150)
+    err = r.stderr.decode()
+    print(err)
+    assert r.returncode == 124, err
+    assert f"jax_job.py:{line['sleep']} in <module>" in _row(err, 1), err
+    assert re.search(r"in jax\.distributed\.initialize\s+.*\(from jax_job\.py:%d in <module>\)" % line["wait"],
+                     _row(err, 0)), err

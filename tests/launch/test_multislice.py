@@ -89,7 +89,7 @@ def test_multislice_dry_run_plan(gcloud, accelerator_type, topology, workers, sl
         assert env[contract.SLICE_COORDINATOR] == slice0_worker0 and env[contract.SLICE_PORT] == "8081"
         # one JAX coordinator for the job: slice 0 worker 0 (its gate; each host's own socket relays there)
         assert env[contract.COORDINATOR_GATE].rsplit(":", 1)[0] == slice0_worker0
-        assert env[contract.COORDINATOR] == f"unix:/tmp/tpudist-dry-run-0-w{p['worker']}.sock"
+        assert env[contract.COORDINATOR] == "unix:${TPUDIST_PRIVATE_DIR}/tpudist-dry-run-0-w%d.sock" % p["worker"]
         assert env[contract.JAX_COORDINATOR_ADDRESS] == env[contract.COORDINATOR]
         assert contract.JobEnv.from_environ(env).rank == p["rank"]
 

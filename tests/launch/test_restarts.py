@@ -78,9 +78,29 @@ def test_the_last_table_counts_the_restarts_and_says_none_are_left(marker):
 
 
 def test_restart_on_rejects_an_unknown_value(marker):
-    r = launch("--restart-on", "sometimes", "--", "true", marker, timeout=30)
+    r = launch("--restart-on", "infra,sometimes", "--", "true", marker, timeout=30)
     assert r.returncode == 2
-    assert "--restart-on: invalid choice: 'sometimes' (choose from 'infra', 'any')" in r.stderr.decode()
+    assert ("--restart-on 'infra,sometimes' must be one or more of infra, hang, any, comma-separated "
+            "(e.g. infra,hang)") in r.stderr.decode()
+
+
+HANG = "import time; time.sleep(600)"  # silent: no progress for --hang-timeout
+
+
+def test_a_hang_restarts_under_restart_on_hang(marker):
+    r, out, err = _run(HANG, marker, "--max-restarts", "1", "--restart-on", "infra,hang", "--hang-timeout", "3")
+    assert r.returncode == 0, err
+    assert "attempt 1 rank 0" in out and "attempt 1 rank 1" in out, out
+    assert ("tpudist: attempt 1 failed; restarting (1/1 restarts): rank 1 hung (no progress for "
+            "--hang-timeout)") in err, err
+
+
+def test_a_hang_is_not_restarted_under_restart_on_infra_and_the_launcher_says_how(marker):
+    r, out, err = _run(HANG, marker, "--max-restarts", "1", "--hang-timeout", "3")
+    assert r.returncode == 124, err
+    assert "attempt 1 rank" not in out, out
+    assert err.rstrip().splitlines()[-1] == (
+        "tpudist: not restarting: rank 1 hung (no progress for --hang-timeout); --restart-on infra,hang restarts it")
 
 
 def test_sigterm_to_the_launcher_stops_the_job_without_a_restart(marker):

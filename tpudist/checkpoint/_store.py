@@ -80,6 +80,8 @@ class _Job:
         self.job = job
         self.directories: dict[str, _Directory] = {}
         self.restores = 0  # restore() calls so far; names their key-value keys
+        self.saves: dict[str, int] = {}  # save() calls per directory so far; name a failure's key
+        self.barrier_uses: dict[str, int] = {}  # orbax reuses barrier keys: each use is a barrier of its own
         self.lock = threading.Lock()
 
 
@@ -211,6 +213,66 @@ def _trim(text: str) -> str:
     return " ".join(text.split())
 
 
+# A save whose writes fail on one process fails on every process within a poll: the failing process
+# publishes its cause in the coordination service's key-value store (under the directory and the
+# number of the save, the same on every process), and the barriers orbax waits at (tpudist's own,
+# below, in place of the service's) watch for it. Before, the others waited at orbax's barrier for
+# its whole timeout (1,200 s by default).
+_KV = "tpudist/checkpoint"
+_POLL_S = 0.05
+
+
+def _tell_peers(state: _Job, key: str, error: BaseException) -> None:
+    """Called in orbax's background thread when this process's writes failed."""
+    kv = _runtime.kv_client()
+    if kv is None:
+        return
+    job = state.job
+    try:
+        kv.key_value_set(key, f"rank {job.rank} on {job.host or 'its host'} could not write its part: "
+                              f"{_trim(str(error))}")
+    except Exception:  # noqa: BLE001 - best effort: the peers then wait for the barrier's timeout
+        pass
+
+
+def _barrier_fn(state: _Job, failed_key):
+    """orbax's barrier (a `BarrierSyncFn`): every process's arrival recorded in the key-value store,
+    polled until all have come, one has published a failure of the save in flight (`failed_key()`),
+    or the timeout passed."""
+    kv = _runtime.kv_client()
+    if kv is None:
+        return None  # one process: orbax's own (no barrier)
+    job = state.job
+
+    def sync(*, key: str, timeout_ms: int) -> None:
+        with _USES_LOCK:
+            use = state.barrier_uses[key] = state.barrier_uses.get(key, 0) + 1
+        arrived = f"{_KV}/barrier/{key}/{use}/"
+        kv.key_value_set(f"{arrived}{job.rank}", "1")
+        failure = failed_key()
+        start = time.monotonic()
+        while True:
+            try:
+                failed = kv.key_value_try_get(failure)
+            except Exception:  # noqa: BLE001 - NOT_FOUND: no process failed
+                failed = None
+            if failed is not None:
+                raise RuntimeError(failed)
+            here = {k.rsplit("/", 1)[-1] for k, _ in kv.key_value_dir_get(arrived)}
+            if len(here) >= job.world_size:
+                return
+            waited = time.monotonic() - start
+            if waited * 1000 >= timeout_ms:
+                missing = sorted(set(range(job.world_size)) - {int(r) for r in here})
+                raise TimeoutError(f"ranks {missing} did not finish writing within {waited:.0f}s (the save's "
+                                   f"timeout): stuck, or gone")
+            time.sleep(_POLL_S)
+    return sync
+
+
+_USES_LOCK = threading.Lock()
+
+
 def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Directory:
     d = state.directories.get(path)
     if d is not None and (d.keep, d.timeout) == (keep, timeout):
@@ -218,19 +280,26 @@ def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Direc
     if d is not None:
         _finish(d)
         d.manager.close()
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+
+    def failed_key() -> str:
+        return f"{_KV}/failed/{digest}/{state.saves.get(path, 0)}"
+
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # what interrupted saves left behind
-        async_options=ocp.AsyncOptions(timeout_secs=max(1, int(timeout))),
+        async_options=ocp.AsyncOptions(timeout_secs=max(1, int(timeout)), barrier_sync_fn=_barrier_fn(state, failed_key)),
         # Distinct barrier names per directory: saves to two directories may overlap.
         multiprocessing_options=ocp.options.MultiprocessingOptions(
-            barrier_sync_key_prefix="tpudist-" + hashlib.sha1(path.encode()).hexdigest()[:12]),
+            barrier_sync_key_prefix="tpudist-" + digest),
     )
-    # orbax's PyTree handler plus the checksums (_verify), for every PyTreeSave to this directory.
+    # orbax's PyTree handler plus the checksums (_verify), for every PyTreeSave to this directory;
+    # a failed write told to the peers under the number of the save in flight.
     handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
     handlers.add(None, ocp.args.PyTreeSave, _verify.ChecksummingHandler(
-        multiprocessing_options=options.multiprocessing_options))
+        multiprocessing_options=options.multiprocessing_options,
+        on_failure=lambda _item, error: _tell_peers(state, failed_key(), error)))
     d = _Directory(path, ocp.CheckpointManager(path, options=options, handler_registry=handlers),
                    keep, timeout)
     state.directories[path] = d
@@ -272,6 +341,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, *, wait: bool = Tr
         if committed and step <= committed[-1]:
             raise ValueError(f"{path} already has step {committed[-1]}; save a later step (steps "
                              "only grow: to go on from an older step, delete the newer ones first)")
+        job.saves[path] = job.saves.get(path, 0) + 1
         try:
             started = d.manager.save(step, args=ocp.args.PyTreeSave(tree), force=True)
         except Exception as e:  # noqa: BLE001 - re-raised with the path and step

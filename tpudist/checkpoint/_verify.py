@@ -69,10 +69,18 @@ class _AfterWrites:
     store into its part of the manifest. Orbax waits on it in its background thread, before the
     barrier that precedes the commit."""
 
-    def __init__(self, futures: list[Any], item: str):
-        self._futures, self._item = futures, item
+    def __init__(self, futures: list[Any], item: str, on_failure: Callable[[str, BaseException], None] | None):
+        self._futures, self._item, self._on_failure = futures, item, on_failure
 
     def result(self, timeout: float | None = None) -> None:
+        try:
+            self._write(timeout)
+        except Exception as e:  # noqa: BLE001 - told to the peers waiting at the barrier, then re-raised
+            if self._on_failure is not None:
+                self._on_failure(self._item, e)
+            raise
+
+    def _write(self, timeout: float | None) -> None:
         for f in self._futures:
             f.result(timeout=timeout)
         rank = jax.process_index()
@@ -86,12 +94,19 @@ class _AfterWrites:
 
 
 class ChecksummingHandler(ocp.PyTreeCheckpointHandler):
-    """orbax's PyTree handler, plus `_CHECKSUMS` written before the commit."""
+    """orbax's PyTree handler, plus `_CHECKSUMS` written before the commit. `on_failure(item,
+    error)` is called (in orbax's background thread) when this process's writes fail."""
+
+    def __init__(self, *args: Any, on_failure: Callable[[str, BaseException], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_failure = on_failure
 
     async def async_save(self, directory: Any, *args: Any, **kwargs: Any) -> list[Any]:
         futures = list(await super().async_save(directory, *args, **kwargs) or [])
         item = os.fspath(getattr(directory, "path", directory))
-        return [*futures, _AfterWrites(futures, item)]
+        # one future that waits for the writes first: a failed write reaches `on_failure`
+        return [_AfterWrites(futures, item, self._on_failure)]
 
     def finalize(self, directory: Any) -> None:
         super().finalize(directory)  # on process 0 only, after every process's writes

@@ -119,6 +119,8 @@ class Engine:
         self.seq = 0
         self.stats = CollectiveStats()
         self._signatures: dict[Any, _Signature] = {}
+        # replica-group layouts this process has agreed on with its peers (one group of all: none needed)
+        self._layouts: set[tuple[tuple[int, ...], ...]] = {(tuple(range(self.n)),)}
         self._lock = threading.Lock()
         self._broken: str | None = None
 
@@ -131,6 +133,9 @@ class Engine:
         """
         with self._lock:
             seq = self._next_seq()
+            if groups not in self._layouts:  # a layout new to this process: its peers' must match
+                self.peers.agree_groups(seq, op.name, groups)
+                self._layouts.add(groups)
             key = _key(op, groups, blocks)
             signature = self._signatures.get(key)
             if signature is None:
@@ -196,7 +201,7 @@ class Engine:
             jax.block_until_ready(outs)
         except Exception as e:  # noqa: BLE001 - XlaRuntimeError, re-raised with the job's facts
             self._broken = f"{name} (collective #{seq}) failed"
-            raise self.peers.failure(seq, name, e, time.monotonic() - start) from e
+            raise self.peers.failure(seq, name, e, time.monotonic() - start, check.groups) from e
         if signature.header is not None:
             rows = np.asarray(table).reshape(-1, HEADER)
             if (rows[:, 1:] != rows[0, 1:]).any():

@@ -5,9 +5,14 @@ never came. Mismatches and missing peers become errors rather than hangs:
   and runs the collective only where all agree (`_engine`); where they do not, each process
   publishes its signature in the coordinator's key-value store and reads the differing peer's, so
   the error names the field and both values;
+- the first time a process uses a replica-group layout other than one group of all, it publishes
+  the layout in the key-value store and reads its peers' for the same call: layouts that disagree
+  would put each process in a different executable's exchange (XLA:CPU then waits ~30 s to connect
+  peers that never come), and are named at once instead;
 - XLA's gloo collectives time out after TPUDIST_COLLECTIVE_TIMEOUT seconds (init() passes it as
-  --xla_cpu_collective_timeout_seconds); a process that timed out records its arrival in the
-  key-value store and reads its peers', so the message names the ranks that never came.
+  --xla_cpu_collective_timeout_seconds); a process that timed out records its arrival, with its
+  call's replica groups, in the key-value store and reads its peers', so the message names the ranks
+  that never came, or the groups that differ. Every timeout message quotes the time actually waited.
 
 In a single-process job there is no key-value store and no peer: every check passes.
 """
@@ -73,11 +78,54 @@ class Peers:
         return CollectiveError(f"{head}: rank {r} called it with a signature that hashes differently "
                                f"but reads the same ({mine}); {rule}")
 
-    def failure(self, seq: int, name: str, error: Exception, seconds: float) -> CollectiveError:
+    def agree_groups(self, seq: int, name: str, groups: Any) -> None:
+        """Checks with every peer that collective #`seq` uses the same replica groups, the first time
+        this process uses `groups`: a CollectiveError naming both layouts when a peer's differ, a
+        CollectiveTimeout after the collective timeout when a peer never publishes its own (it
+        called the collective with a layout it had used before, or is stuck)."""
+        if self.kv is None:
+            return
+        base = f"{self.prefix}/groups/{seq & 0x7FFFFFFF}/"
+        mine = json.dumps([list(g) for g in groups])
+        self.kv.key_value_set(base + str(self.rank), mine)
+        start = time.monotonic()
+        deadline = start + self.timeout
+        for r in range(self.n):
+            if r == self.rank:
+                continue
+            left_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
+            try:
+                theirs = self.kv.blocking_key_value_get(base + str(r), left_ms)
+            except Exception:  # noqa: BLE001 - the coordination service's timeout error
+                missing = [q for q in range(r, self.n) if q != self.rank and not self._has(base + str(q))]
+                raise CollectiveTimeout(
+                    f"{self.me}: {name} (collective #{seq}) timed out after {time.monotonic() - start:.1f}s "
+                    f"waiting for ranks {missing} to confirm its replica groups {_show(json.loads(mine))} "
+                    f"(this process uses them for the first time): they called it with groups they had used "
+                    f"before, called another collective, or are stuck. Every process must pass the same "
+                    f"groups; raise {contract.COLLECTIVE_TIMEOUT} if steps are slow.") from None
+            if theirs != mine:
+                raise CollectiveError(
+                    f"{self.me}: {name} (collective #{seq}) groups {_show(json.loads(mine))} differ from rank "
+                    f"{r}'s {_show(json.loads(theirs))}; every process must pass the same replica groups "
+                    f"(each process's own group is the one it is in)")
+
+    def failure(self, seq: int, name: str, error: Exception, seconds: float,
+                groups: Any = None) -> CollectiveError:
         """The job's error for collective #`seq`, whose execution raised `error` after `seconds`:
-        a CollectiveTimeout naming the ranks that never arrived, or a CollectiveError."""
+        a CollectiveError naming the replica groups that differ, a CollectiveTimeout naming the
+        ranks that never arrived, or a CollectiveError."""
         if seconds >= 0.9 * self.timeout or "timed out" in str(error).lower():
-            return self.timeout_error(seq, name, self._missing(seq), "waiting for peers")
+            mine = json.dumps([list(g) for g in groups]) if groups is not None else "1"
+            arrivals = self._arrivals(seq, mine)
+            for r, theirs in arrivals.items():
+                if theirs not in ("1", mine) and groups is not None:
+                    return CollectiveError(
+                        f"{self.me}: {name} (collective #{seq}) timed out after {seconds:.1f}s: its groups "
+                        f"{_show(json.loads(mine))} differ from rank {r}'s {_show(json.loads(theirs))}; every "
+                        f"process must pass the same replica groups")
+            missing = [r for r in range(self.n) if r != self.rank and r not in arrivals]
+            return self.timeout_error(seq, name, missing, "waiting for peers", seconds)
         return CollectiveError(f"{self.me}: {name} (collective #{seq}) failed, most likely because "
                                f"a peer process died: {error}")
 
@@ -95,25 +143,41 @@ class Peers:
             raise self.timeout_error(seq, "barrier", missing, "at the barrier", limit) from None
 
     def timeout_error(self, seq: int, name: str, missing: list[int], doing: str,
-                      limit: float | None = None) -> CollectiveTimeout:
+                      waited: float | None = None) -> CollectiveTimeout:
+        """`waited`: the seconds actually waited (the message quotes them); default the timeout."""
         who = f"ranks {missing} did not arrive" if missing else "peers did not finish"
+        waited = self.timeout if waited is None else waited
+        longer = (f" (XLA waited longer than {contract.COLLECTIVE_TIMEOUT}={self.timeout:g}s: its first "
+                  f"connection to these peers has a deadline of its own)") if waited > 1.5 * self.timeout else ""
         return CollectiveTimeout(
-            f"{self.me}: {name} (collective #{seq}) timed out after {limit or self.timeout:g}s "
+            f"{self.me}: {name} (collective #{seq}) timed out after {waited:.1f}s{longer} "
             f"{doing}: {who} (crashed, stuck, or called a different collective). "
             f"Raise {contract.COLLECTIVE_TIMEOUT} if steps are slow.")
 
     # -- arrivals -------------------------------------------------------------------------------
 
-    def _missing(self, seq: int) -> list[int]:
+    def _arrivals(self, seq: int, mine: str) -> dict[int, str]:
+        """Records this process's arrival at collective #`seq` (with `mine`, its groups), waits for
+        peers that also time out about now to record theirs, and returns theirs by rank."""
         if self.kv is None:
-            return []
-        self._arrive(seq)
-        time.sleep(_ARRIVAL_GRACE)  # peers that are also waiting time out about now and record theirs
-        return self._absent(f"{self.prefix}/arrive/{seq}/")
+            return {}
+        self._arrive(seq, mine)
+        time.sleep(_ARRIVAL_GRACE)
+        base = f"{self.prefix}/arrive/{seq}/"
+        found = {}
+        for r in range(self.n):
+            if r != self.rank:
+                try:
+                    value = self.kv.key_value_try_get(base + str(r))
+                except Exception:  # noqa: BLE001 - NOT_FOUND
+                    value = None
+                if value is not None:
+                    found[r] = value
+        return found
 
-    def _arrive(self, seq: int) -> None:
+    def _arrive(self, seq: int, value: str = "1") -> None:
         try:
-            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", "1")
+            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", value)
         except Exception:  # noqa: BLE001 - best effort; only improves the timeout message
             pass
 

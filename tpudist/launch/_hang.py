@@ -105,7 +105,36 @@ class _Rank:
         """The collective whose frames are on the main thread now ("" none)."""
         if any("/tpudist/collectives/" in f.file for f in self.main):
             return (self.stacks.collective if self.stacks else "") or "a collective"
-        return ""
+        return framework_collective(self.main)
+
+
+# What a rank that never calls tpudist waits in, read from its frames (innermost first): the public
+# torch.distributed collectives (their Python frames in distributed_c10d.py wait on the C++ work)
+# and JAX's multi-process points (joining the job, syncing hosts, waiting for a computation's
+# result, whose collectives run inside the executable).
+_TORCH_COLLECTIVES = frozenset((
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
+    "all_to_all", "all_to_all_single", "reduce", "gather", "gather_object", "scatter",
+    "scatter_object_list", "send", "recv", "init_process_group", "new_group"))
+_JAX_WAITS = {"block_until_ready": "block_until_ready", "_value": "reading its result",
+              "__array__": "reading its result", "device_get": "device_get"}
+
+
+def framework_collective(frames: Sequence[_stacks.Frame]) -> str:
+    """The torch.distributed collective or JAX wait whose frames are in `frames` ("" none)."""
+    for f in frames:
+        if "/torch/distributed/" in f.file and f.function in _TORCH_COLLECTIVES:
+            return f"torch.distributed.{f.function}"
+    for f in reversed(frames):  # outermost first: the call the program made
+        if f.file.endswith("/jax/_src/distributed.py") and f.function == "initialize":
+            return "jax.distributed.initialize"
+        if f.file.endswith("/jax/experimental/multihost_utils.py"):
+            return f"jax.experimental.multihost_utils.{f.function}"
+    for f in frames:
+        if "/jax/_src/" in f.file and f.function in _JAX_WAITS:
+            return f"a JAX computation ({_JAX_WAITS[f.function]})"
+    return ""
 
 
 def stacks_table(states: Sequence[ProcState], c: Collection, *, ending: bool) -> tuple[str, int | None]:

@@ -103,10 +103,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                      help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)g)")
     job.add_argument("--max-restarts", type=int, default=JobOptions.max_restarts, metavar="N",
                      help="run the whole job again after a failure, up to N times")
-    job.add_argument("--restart-on", choices=RESTART_ON, default=JobOptions.restart_on,
-                     help="which failures restart: infra (a lost host or SSH connection, a signal such as "
-                          "SIGKILL or a preemption's SIGTERM, exit 42 or 128+) or any (also the program's "
-                          "own errors, e.g. exit 1) (default %(default)s)")
+    job.add_argument("--restart-on", default=JobOptions.restart_on, metavar="|".join(RESTART_ON),
+                     help="which failures restart, comma-separated: infra (a lost host or SSH connection, a "
+                          "signal such as SIGKILL or a preemption's SIGTERM, exit 42 or 128+), hang (no "
+                          "progress for --hang-timeout), any (also the program's own errors, e.g. exit 1); "
+                          "e.g. infra,hang (default %(default)s)")
     job.add_argument("--coordinator-port", type=int, metavar="PORT",
                      help="JAX coordinator port of a multi-host job, checked free before the launch "
                           "(default: a free one; a one-host job uses a private Unix socket)")

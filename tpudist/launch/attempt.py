@@ -225,11 +225,16 @@ RESTART_EXIT = 42  # a program asks to be run again (as with xpk): it restarts u
 
 @dataclasses.dataclass(frozen=True)
 class Cause:
-    """Why an attempt failed, as `--restart-on` sees it: `infra` (the machine, the network, someone
-    outside the job: running again may well succeed) or the program's own error."""
+    """Why an attempt failed, as `--restart-on` sees it: "infra" (the machine, the network, someone
+    outside the job: running again may well succeed), "hang" (no progress for --hang-timeout), or
+    "program" (the program's own error)."""
 
-    infra: bool
+    kind: str
     text: str  # "rank 1 exited 1 (an error in the program)"
+
+    @property
+    def infra(self) -> bool:
+        return self.kind == "infra"
 
 
 def failure_cause(result: AttemptResult) -> Cause:
@@ -240,27 +245,28 @@ def failure_cause(result: AttemptResult) -> Cause:
     assert s is not None, "failure_cause() of an attempt that did not fail"
     rank = f"rank {s.plan.rank}"
     if result.hang:
-        return Cause(False, f"{rank} hung (no progress for --hang-timeout)")
+        return Cause("hang", f"{rank} hung (no progress for --hang-timeout)")
     if s.lost:
-        return Cause(True, f"{rank}'s host {s.plan.host.address} was lost ({s.lost})")
+        return Cause("infra", f"{rank}'s host {s.plan.host.address} was lost ({s.lost})")
     if s.error:
-        return Cause(False, f"{rank} could not start ({s.error})")
+        return Cause("program", f"{rank} could not start ({s.error})")
     if s.signal:
         why = {_signal.SIGKILL: "the OOM killer, a preemption or a kill -9",
                _signal.SIGTERM: "sent from outside the launcher: a preemption?"}.get(s.signal, "")
-        return Cause(True, f"{rank} was killed by {s.describe()}" + (f" ({why})" if why else ""))
+        return Cause("infra", f"{rank} was killed by {s.describe()}" + (f" ({why})" if why else ""))
     code = s.exit_status()
     if code == RESTART_EXIT:
-        return Cause(True, f"{rank} exited {code} (asks to be restarted)")
+        return Cause("infra", f"{rank} exited {code} (asks to be restarted)")
     if code >= 128:
-        return Cause(True, f"{rank} exited {code} (128+{code - 128}: a signal)")
-    return Cause(False, f"{rank} exited {code} (an error in the program)")
+        return Cause("infra", f"{rank} exited {code} (128+{code - 128}: a signal)")
+    return Cause("program", f"{rank} exited {code} (an error in the program)")
 
 
 @dataclasses.dataclass
 class Restarts:
     """The `--max-restarts` budget: a failed attempt runs again while restarts are left and its cause
-    is one `--restart-on` restarts ("infra": see `failure_cause`; "any": every failure)."""
+    is one `--restart-on` restarts (a comma list of "infra", "hang": see `failure_cause`; "any":
+    every failure)."""
 
     limit: int
     on: str = "infra"
@@ -273,7 +279,7 @@ class Restarts:
         if result.outcome is not Outcome.FAILURE or self.used >= self.limit:
             return False
         cause = failure_cause(result)
-        if not cause.infra and self.on == "infra":
+        if not self.restarts(cause):
             return False
         self.used += 1
         self.causes.append(cause.text)
@@ -287,6 +293,12 @@ class Restarts:
         if self.used >= self.limit:
             return f"not restarting: all {self.limit} restarts of --max-restarts {self.limit} are used"
         cause = failure_cause(result)
-        if not cause.infra and self.on == "infra":
-            return f"not restarting: {cause.text}; --restart-on any restarts it"
+        if not self.restarts(cause):
+            wider = f"{self.on},hang" if cause.kind == "hang" else "any"
+            return f"not restarting: {cause.text}; --restart-on {wider} restarts it"
         return ""
+
+    def restarts(self, cause: Cause) -> bool:
+        """Whether --restart-on covers `cause`."""
+        kinds = self.on.split(",")
+        return "any" in kinds or cause.kind in kinds

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import paramiko
 
 PLATFORMS = ("cpu", "gpu", "tpu")
-RESTART_ON = ("infra", "any")  # --restart-on: which failures --max-restarts runs the job again after
+RESTART_ON = ("infra", "hang", "any")  # --restart-on: which failures --max-restarts runs the job again after (a comma list)
 DEFAULT_PROFILE_STEPS = (2, 5)  # past the compiling first steps; three steps in the steady state
 
 
@@ -178,8 +178,9 @@ class JobOptions:
     max_restarts: int = 0
     """`--max-restarts N`: run the whole job again after a failure, up to N times."""
     restart_on: str = "infra"
-    """`--restart-on`: which failures restart: "infra" (a lost host or SSH connection, a signal, exit
-    42 or 128+), or "any" (also a program's own error, e.g. exit 1)."""
+    """`--restart-on`: which failures restart, a comma list: "infra" (a lost host or SSH connection, a
+    signal, exit 42 or 128+), "hang" (no progress for --hang-timeout), "any" (every failure, a
+    program's own error such as exit 1 too); e.g. "infra,hang"."""
     coordinator_port: int | None = None
     """`--coordinator-port`: the JAX coordinator's port on a multi-host job (a one-host job's is a Unix
     socket); None: one found free on rank 0's host."""
@@ -200,8 +201,9 @@ class JobOptions:
         if self.stop_grace < 0:
             raise ValueError(f"--stop-grace {self.stop_grace} must be >= 0")
         _check_at_least("--max-restarts", self.max_restarts, 0)
-        if self.restart_on not in RESTART_ON:
-            raise ValueError(f"--restart-on {self.restart_on!r} must be one of {', '.join(RESTART_ON)}")
+        if not self.restart_on or any(part not in RESTART_ON for part in self.restart_on.split(",")):
+            raise ValueError(f"--restart-on {self.restart_on!r} must be one or more of {', '.join(RESTART_ON)}, "
+                             f"comma-separated (e.g. infra,hang)")
         _check_port("--coordinator-port", self.coordinator_port)
         if self.hang_timeout is not None:
             _check_seconds("--hang-timeout", self.hang_timeout)

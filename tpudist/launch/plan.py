@@ -162,9 +162,10 @@ def jax_coordinator_for(cluster: Cluster, *, job_id: str, attempt: int, worker: 
     job's user can open (JAX's coordinator takes no secret: tpudist/_coordinator.py). On a multi-host
     job each host has its own: worker 0's is rank 0's, the others' are their agent's relay to worker
     0's gate (`gate_address`)."""
+    private = contract.PRIVATE_DIR_TOKEN  # each host's agent puts the user's private directory there
     if len(cluster.hosts) == 1:
-        return f"unix:/tmp/tpudist-{job_id}-{attempt}.sock"
-    return f"unix:/tmp/tpudist-{job_id}-{attempt}-w{worker}.sock"
+        return f"unix:{private}/tpudist-{job_id}-{attempt}.sock"
+    return f"unix:{private}/tpudist-{job_id}-{attempt}-w{worker}.sock"
 
 
 def gate_address(cluster: Cluster, addr: str, port: int) -> dict[str, str]:

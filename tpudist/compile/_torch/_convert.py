@@ -132,11 +132,20 @@ def host_device() -> Any:
 
 def to_host(arrays: list[Any]) -> list[Any]:
     """`arrays` copied where torch can view them: to `host_device()`, in one transfer (numpy
-    copies where JAX runs without its CPU backend)."""
+    copies where JAX runs without its CPU backend). The copies of arrays on an accelerator all
+    start at once (`copy_to_host_async`) before the first is read: on a TPU each one read in turn
+    paid a round trip (~0.5 ms), 11 per generated token of a 2-layer Llama."""
+    for a in arrays:
+        if isinstance(a, jax.Array) and a.is_fully_addressable and _off_host(a):
+            a.copy_to_host_async()
     host = host_device()
     if host is None or not arrays:
         return [np.array(a) for a in arrays]
     return jax.device_put(arrays, host)
+
+
+def _off_host(array: jax.Array) -> bool:
+    return any(d.platform != "cpu" for d in array.devices())
 
 
 class Where(NamedTuple):

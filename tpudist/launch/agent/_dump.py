@@ -5,7 +5,7 @@ Each process gets `<root>/rank<R>` in TPUDIST_DEBUG_DIR (emptied before it start
 rank is never signalled before its own `tpudist.init()` put its dumper in place). On the launcher's
 Stacks request, `collect` signals every process whose dumper is ready, all at once, waits until
 each one's dump has stopped growing, and returns one `RankStacks` per running process, with a
-reason where there is no dump (the program never called `tpudist.init()`, the process is stopped).
+reason where there is no dump (no Python of the rank installed the dumper, the process is stopped).
 
     root = make_root()                       # the agent's directory, removed by remove_root(root)
     progress_total([proc_dir(root, 0)])      # eager collectives entered so far, for the heartbeat
@@ -58,6 +58,30 @@ def progress_total(directories: list[str]) -> int:
     return sum(p.collectives for d in directories if (p := _stacks.read_progress(d)) is not None)
 
 
+_NO_DUMPER = ("no stack dumper: no Python of this rank has started (yet), or it cannot show its stacks "
+              "(`python -S`/`-I`, TPUDIST_STARTUP_HOOK=0 without tpudist.init(), or tpudist not "
+              "importable by its interpreter)")
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is a descendant of `ancestor` (a few generations at most)."""
+    for _ in range(8):
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -77,8 +101,11 @@ def collect(procs: list[tuple[int, int, str]], deadline_s: float = 3.0) -> list[
             rs.collective_age_s = max(0.0, time.monotonic() - progress.entered_at)
         ready = _stacks.read_ready(directory)
         path = os.path.join(directory, _stacks.STACKS_FILE)
+        if ready is not None and ready[0] != pid and _descends(ready[0], pid):
+            pid = rs.pid = ready[0]  # a wrapper's (sh, bash) Python child: its stacks are the rank's
+            rs.state = _state(pid)
         if ready is None or ready[0] != pid:
-            rs.error = "no stack dumper: the program has not called tpudist.init() (yet)"
+            rs.error = _NO_DUMPER
         elif rs.state in ("T", "t"):
             rs.error = "the process is stopped (SIGSTOP or a debugger): it cannot dump its stacks"
         else:

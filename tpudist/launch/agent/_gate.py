@@ -103,7 +103,7 @@ class Gate:
         gate, local = env.get(contract.COORDINATOR_GATE), env.get(contract.COORDINATOR, "")
         if not gate or not _coordinator.is_unix(local):
             return  # a one-host job (its coordinator socket is rank 0's own), or not launched by tpudist
-        path = local[len(_coordinator.UNIX_PREFIX):]
+        path = _coordinator.resolve_private(local)[len(_coordinator.UNIX_PREFIX):]  # raises RuntimeError
         self._stopped = threading.Event()
         self._pump = _Pump()
         try:

@@ -28,13 +28,18 @@ import threading
 import time
 from collections.abc import Callable
 
+import tpudist._coordinator as _coordinator
 import tpudist._proc as _proc
+import tpudist.contract as contract
 from tpudist.launch.agent import _dump
 from tpudist.launch.agent._pipes import Output
 from tpudist.launch.control import control_pb2 as pb
 
 DRAIN_LIMIT_S = 1.0  # after an exit, at most this long to read what the process wrote (a flood)
 _TAIL_LINES = 64
+_PRIVATE_TOKEN = contract.PRIVATE_DIR_TOKEN.encode()
+# the startup hook's directory (tpudist/_hook: a sitecustomize that installs the stack dumper)
+_HOOK_DIR = os.fsencode(os.path.join(os.path.dirname(os.path.abspath(_proc.__file__)), "_hook"))
 _CONDA_PLACES = ("~/miniconda3/bin/conda", "~/anaconda3/bin/conda", "~/miniforge3/bin/conda",
                  "~/mambaforge/bin/conda", "/opt/conda/bin/conda")
 # Runs argv inside a conda environment: $0 is conda, $1 the environment, the rest the command. The
@@ -95,10 +100,19 @@ class _Process:
             env[b"PATH"] = b":".join([*self.spec.path_prepend, env.get(b"PATH", os.defpath.encode())])
         if self.debug_dir:
             env[b"TPUDIST_DEBUG_DIR"] = os.fsencode(self.debug_dir)  # contract.DEBUG_DIR
+            if env.get(b"TPUDIST_STARTUP_HOOK") != b"0":  # contract.STARTUP_HOOK
+                path = env.get(b"PYTHONPATH")
+                env[b"PYTHONPATH"] = _HOOK_DIR + (b":" + path if path else b"")
         return env
 
     def start(self) -> None:
         env = self.environ()
+        try:  # the coordinator's socket path: this user's private directory here (tpudist/_coordinator.py)
+            for name, value in env.items():
+                if _PRIVATE_TOKEN in value:
+                    env[name] = os.fsencode(_coordinator.resolve_private(os.fsdecode(value)))
+        except RuntimeError as e:
+            return self._failed(1, f"{e}")
         argv = list(self.spec.argv)
         if self.spec.conda_env:
             conda = find_conda(env)

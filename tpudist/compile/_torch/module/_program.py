@@ -196,6 +196,10 @@ class Program:
         if not self._writes_back:
             return self.captured.template.rebuild(outputs)
         user = []
+        # the kept arrays torch gets whole, crossed to the host together (one round trip, not one each)
+        whole_at = [j for j, (value, slot) in enumerate(zip(outputs, self.captured.outputs))
+                    if slot.kind in ("buffer", "input") and isinstance(value, jax.Array) and j not in self._scatters]
+        wholes = dict(zip(whole_at, _wholes([outputs[j] for j in whole_at], place)))
         with torch.no_grad():
             for j, (value, slot) in enumerate(zip(outputs, self.captured.outputs)):
                 if slot.kind in ("buffer", "input"):
@@ -207,7 +211,7 @@ class Program:
                         if scatter is not None:
                             write_scatter(tensor, scatter, outputs)
                         else:
-                            tensor.copy_(to_torch(_whole(value, place), slot.dtype))
+                            tensor.copy_(to_torch(wholes[j], slot.dtype))
                         self._resident.keep(position, tensor, place.device if isinstance(place, Where) else place,
                                             value)
                     else:
@@ -218,11 +222,11 @@ class Program:
         return self.captured.template.rebuild(user)
 
 
-def _whole(array: jax.Array, place: Where | Layout) -> jax.Array:
-    """A kept array's whole value where torch can view it."""
+def _wholes(arrays: list[jax.Array], place: Where | Layout) -> list[jax.Array]:
+    """Kept arrays' whole values where torch can view them."""
     if isinstance(place, Where):
-        return host_values([array])[0] if place.host else array
-    return whole(array, place)
+        return host_values(arrays) if place.host else arrays
+    return [whole(array, place) for array in arrays]
 
 
 def _seed() -> np.uint32:

@@ -171,7 +171,10 @@ def _compiled_forward(model: torch.nn.Module) -> None:
     forward = model.__dict__.get("forward")
     if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
         return
-    model.forward = torch.compile(model.forward, backend="tpudist")
+    # the backend itself, not its name: the name resolves through the package's entry point, which
+    # a source checkout on PYTHONPATH (not pip-installed) does not have
+    from tpudist.compile._torch.module._dynamo import backend
+    model.forward = torch.compile(model.forward, backend=backend)
 
 
 class _Bar:
