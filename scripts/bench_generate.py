@@ -125,8 +125,10 @@ def generate(model: Any, ids: Any, new_tokens: int, cache_len: int | None, cache
     (None: the dynamic cache), `cache` a user-created one. `logits=True`: each step's logits instead,
     (batch, new_tokens, vocab)."""
     kwargs: dict[str, Any] = {}
-    if cache is not None:
-        kwargs["cache"] = cache
+    if cache is not None:  # transformers 5.25 names it `cache`, earlier releases `past_key_values`
+        import inspect
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        kwargs[name] = cache
     elif cache_len is not None:
         kwargs.update(cache_implementation="static", max_cache_len=cache_len)
     out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=new_tokens, do_sample=False,
