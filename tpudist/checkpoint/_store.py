@@ -219,7 +219,7 @@ def _trim(text: str) -> str:
 # below, in place of the service's) watch for it. Before, the others waited at orbax's barrier for
 # its whole timeout (1,200 s by default).
 _KV = "tpudist/checkpoint"
-_POLL_S = 0.05
+_POLL_S = 0.05  # the longest pause between polls of a barrier
 
 
 def _tell_peers(state: _Job, key: str, error: BaseException) -> None:
@@ -250,7 +250,7 @@ def _barrier_fn(state: _Job, failed_key):
         arrived = f"{_KV}/barrier/{key}/{use}/"
         kv.key_value_set(f"{arrived}{job.rank}", "1")
         failure = failed_key()
-        start = time.monotonic()
+        start, pause = time.monotonic(), 0.002
         while True:
             try:
                 failed = kv.key_value_try_get(failure)
@@ -266,7 +266,8 @@ def _barrier_fn(state: _Job, failed_key):
                 missing = sorted(set(range(job.world_size)) - {int(r) for r in here})
                 raise TimeoutError(f"ranks {missing} did not finish writing within {waited:.0f}s (the save's "
                                    f"timeout): stuck, or gone")
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(_POLL_S, pause * 2)  # peers arriving within milliseconds are not kept waiting
     return sync
 
 
