@@ -37,7 +37,6 @@ import tpudist.contract as contract
 log = logging.getLogger("tpudist")
 
 UNIX_PREFIX = "unix:"
-PRIVATE_DIR_TOKEN = contract.PRIVATE_DIR_TOKEN
 
 
 def private_dir(environ: Mapping[str, str] = os.environ) -> str:
@@ -81,8 +80,9 @@ def _problem(path: str) -> str | None:
 
 
 def resolve_private(value: str, environ: Mapping[str, str] = os.environ) -> str:
-    """`value` with the plan's PRIVATE_DIR_TOKEN replaced by this host's `private_dir()`."""
-    return value.replace(PRIVATE_DIR_TOKEN, private_dir(environ)) if PRIVATE_DIR_TOKEN in value else value
+    """`value` with the plan's `contract.PRIVATE_DIR_TOKEN` replaced by this host's `private_dir()`."""
+    token = contract.PRIVATE_DIR_TOKEN
+    return value.replace(token, private_dir(environ)) if token in value else value
 
 
 def is_unix(address: str | None) -> bool:

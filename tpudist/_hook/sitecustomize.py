@@ -8,8 +8,8 @@ on a real-time signal, the progress record, the ready file), then runs the `site
 shadows (a distribution's or a venv's own), so nothing of the interpreter's set-up is lost.
 
 Only one Python process of a rank at a time installs it (it claims the directory); the rest (a
-wrapper's child, a DataLoader worker started with spawn) skip while it runs. A Python that does not run `site`
-(`-S`, `-I`) or cannot import tpudist gets no dumper: the hang report then says so for that rank.
+wrapper's child, a DataLoader worker started with spawn) skip while it runs. A Python that does not
+run `site` (`-S`, `-I`) or cannot import tpudist gets no dumper: the hang report says so for that rank.
 """
 
 import os

@@ -83,6 +83,8 @@ class _Job:
         self.saves: dict[str, int] = {}  # save() calls per directory so far; name a failure's key
         self.barrier_uses: dict[str, int] = {}  # orbax reuses barrier keys: each use is a barrier of its own
         self.lock = threading.Lock()
+        # not `lock`: save() holds that while orbax runs its first barriers on the same thread
+        self.barrier_lock = threading.Lock()
 
 
 _current: _Job | None = None
@@ -245,7 +247,7 @@ def _barrier_fn(state: _Job, failed_key):
     job = state.job
 
     def sync(*, key: str, timeout_ms: int) -> None:
-        with _USES_LOCK:
+        with state.barrier_lock:
             use = state.barrier_uses[key] = state.barrier_uses.get(key, 0) + 1
         arrived = f"{_KV}/barrier/{key}/{use}/"
         kv.key_value_set(f"{arrived}{job.rank}", "1")
@@ -269,9 +271,6 @@ def _barrier_fn(state: _Job, failed_key):
             time.sleep(pause)
             pause = min(_POLL_S, pause * 2)  # peers arriving within milliseconds are not kept waiting
     return sync
-
-
-_USES_LOCK = threading.Lock()
 
 
 def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Directory:
@@ -300,7 +299,7 @@ def _manager(state: _Job, path: str, keep: int | None, timeout: float) -> _Direc
     handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
     handlers.add(None, ocp.args.PyTreeSave, _verify.ChecksummingHandler(
         multiprocessing_options=options.multiprocessing_options,
-        on_failure=lambda _item, error: _tell_peers(state, failed_key(), error)))
+        on_failure=lambda error: _tell_peers(state, failed_key(), error)))
     d = _Directory(path, ocp.CheckpointManager(path, options=options, handler_registry=handlers),
                    keep, timeout)
     state.directories[path] = d

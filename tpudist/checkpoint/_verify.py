@@ -69,7 +69,7 @@ class _AfterWrites:
     store into its part of the manifest. Orbax waits on it in its background thread, before the
     barrier that precedes the commit."""
 
-    def __init__(self, futures: list[Any], item: str, on_failure: Callable[[str, BaseException], None] | None):
+    def __init__(self, futures: list[Any], item: str, on_failure: Callable[[BaseException], None] | None):
         self._futures, self._item, self._on_failure = futures, item, on_failure
 
     def result(self, timeout: float | None = None) -> None:
@@ -77,7 +77,7 @@ class _AfterWrites:
             self._write(timeout)
         except Exception as e:  # noqa: BLE001 - told to the peers waiting at the barrier, then re-raised
             if self._on_failure is not None:
-                self._on_failure(self._item, e)
+                self._on_failure(e)
             raise
 
     def _write(self, timeout: float | None) -> None:
@@ -94,10 +94,10 @@ class _AfterWrites:
 
 
 class ChecksummingHandler(ocp.PyTreeCheckpointHandler):
-    """orbax's PyTree handler, plus `_CHECKSUMS` written before the commit. `on_failure(item,
-    error)` is called (in orbax's background thread) when this process's writes fail."""
+    """orbax's PyTree handler, plus `_CHECKSUMS` written before the commit. `on_failure(error)` is
+    called (in orbax's background thread) when this process's writes fail."""
 
-    def __init__(self, *args: Any, on_failure: Callable[[str, BaseException], None] | None = None,
+    def __init__(self, *args: Any, on_failure: Callable[[BaseException], None] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_failure = on_failure

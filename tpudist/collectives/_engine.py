@@ -39,7 +39,7 @@ from tpudist import _profile, _runtime, _stacks, contract
 from tpudist._buffers import HostBuffers, aligned, share
 from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.collectives._agree import GROUP, HEADER, SLOT, Check, agreed, fingerprint
-from tpudist.collectives._peers import CollectiveError, Peers
+from tpudist.collectives._peers import CollectiveError, CollectiveTimeout, Peers
 
 log = logging.getLogger("tpudist.collectives")
 
@@ -134,7 +134,11 @@ class Engine:
         with self._lock:
             seq = self._next_seq()
             if groups not in self._layouts:  # a layout new to this process: its peers' must match
-                self.peers.agree_groups(seq, op.name, groups)
+                try:
+                    self.peers.agree_groups(seq, op.name, groups)
+                except CollectiveTimeout:  # peers went on without this call: out of step, as after any timeout
+                    self._broken = f"{op.name} (collective #{seq}) timed out"
+                    raise
                 self._layouts.add(groups)
             key = _key(op, groups, blocks)
             signature = self._signatures.get(key)

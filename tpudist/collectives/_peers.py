@@ -86,7 +86,7 @@ class Peers:
         if self.kv is None:
             return
         base = f"{self.prefix}/groups/{seq & 0x7FFFFFFF}/"
-        mine = json.dumps([list(g) for g in groups])
+        mine = _layout(groups)
         self.kv.key_value_set(base + str(self.rank), mine)
         start = time.monotonic()
         deadline = start + self.timeout
@@ -97,7 +97,7 @@ class Peers:
             try:
                 theirs = self.kv.blocking_key_value_get(base + str(r), left_ms)
             except Exception:  # noqa: BLE001 - the coordination service's timeout error
-                missing = [q for q in range(r, self.n) if q != self.rank and not self._has(base + str(q))]
+                missing = self._absent(base)
                 raise CollectiveTimeout(
                     f"{self.me}: {name} (collective #{seq}) timed out after {time.monotonic() - start:.1f}s "
                     f"waiting for ranks {missing} to confirm its replica groups {_show(json.loads(mine))} "
@@ -116,7 +116,7 @@ class Peers:
         a CollectiveError naming the replica groups that differ, a CollectiveTimeout naming the
         ranks that never arrived, or a CollectiveError."""
         if seconds >= 0.9 * self.timeout or "timed out" in str(error).lower():
-            mine = json.dumps([list(g) for g in groups]) if groups is not None else "1"
+            mine = _layout(groups) if groups is not None else "1"
             arrivals = self._arrivals(seq, mine)
             for r, theirs in arrivals.items():
                 if theirs not in ("1", mine) and groups is not None:
@@ -163,7 +163,21 @@ class Peers:
             return {}
         self._arrive(seq, mine)
         time.sleep(_ARRIVAL_GRACE)
-        base = f"{self.prefix}/arrive/{seq}/"
+        return self._values(f"{self.prefix}/arrive/{seq}/")
+
+    def _arrive(self, seq: int, value: str = "1") -> None:
+        try:
+            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", value)
+        except Exception:  # noqa: BLE001 - best effort; only improves the timeout message
+            pass
+
+    def _absent(self, base: str) -> list[int]:
+        """The other ranks with no key under `base` in the key-value store."""
+        present = self._values(base)
+        return [r for r in range(self.n) if r != self.rank and r not in present]
+
+    def _values(self, base: str) -> dict[int, str]:
+        """The other ranks' values under `base` in the key-value store, by rank."""
         found = {}
         for r in range(self.n):
             if r != self.rank:
@@ -175,21 +189,10 @@ class Peers:
                     found[r] = value
         return found
 
-    def _arrive(self, seq: int, value: str = "1") -> None:
-        try:
-            self.kv.key_value_set(f"{self.prefix}/arrive/{seq}/{self.rank}", value)
-        except Exception:  # noqa: BLE001 - best effort; only improves the timeout message
-            pass
 
-    def _absent(self, base: str) -> list[int]:
-        """The other ranks with no key under `base` in the key-value store."""
-        return [r for r in range(self.n) if r != self.rank and not self._has(base + str(r))]
-
-    def _has(self, key: str) -> bool:
-        try:
-            return self.kv.key_value_try_get(key) is not None
-        except Exception:  # noqa: BLE001 - NOT_FOUND
-            return False
+def _layout(groups: Any) -> str:
+    """Replica groups as peers compare them (the same text on every process)."""
+    return json.dumps([list(g) for g in groups])
 
 
 def _show(value: Any) -> str:

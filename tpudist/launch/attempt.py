@@ -232,10 +232,6 @@ class Cause:
     kind: str
     text: str  # "rank 1 exited 1 (an error in the program)"
 
-    @property
-    def infra(self) -> bool:
-        return self.kind == "infra"
-
 
 def failure_cause(result: AttemptResult) -> Cause:
     """The cause of a failed attempt, from its root cause: a lost host or SSH connection, death by a
