@@ -51,7 +51,8 @@ def _free_port(addresses: list[str]) -> int:
 class LoopbackSshd:
     """Real sshd serving `n_hosts` loopback addresses with generated keys; a context manager."""
 
-    def __init__(self, n_hosts: int, *, max_startups: int = 256, clean_login: bool = True) -> None:
+    def __init__(self, n_hosts: int, *, max_startups: int = 256, clean_login: bool = True,
+                 per_host: bool = False) -> None:
         if not os.path.exists(SSHD):
             raise RuntimeError(f"{SSHD} is missing; install it with `apt-get install openssh-server`")
         self.n_hosts = n_hosts
@@ -64,6 +65,8 @@ class LoopbackSshd:
         self._max_startups = max_startups
         self.clean_login = clean_login and self._can_mask_rc()
         self._procs: list[subprocess.Popen] = []
+        self._argvs: list[list[str]] = []
+        self._group = 1 if per_host else _MAX_LISTEN  # per_host: one sshd per address, so a host can die alone
 
     @property
     def hosts(self) -> list[str]:
@@ -90,15 +93,15 @@ class LoopbackSshd:
         self.known_hosts.write_text("".join(f"[{a}]:{self.port} {' '.join(host_pub)}\n" for a in self.addresses))
         # sshd refuses to start without its privilege separation directory.
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-        for i in range(0, len(self.addresses), _MAX_LISTEN):
-            group = self.addresses[i: i + _MAX_LISTEN]
-            config = self.dir / f"sshd_config.{i // _MAX_LISTEN}"
+        for i in range(0, len(self.addresses), self._group):
+            group = self.addresses[i: i + self._group]
+            config = self.dir / f"sshd_config.{i // self._group}"
             config.write_text("\n".join([
                 f"Port {self.port}",
                 *(f"ListenAddress {a}" for a in group),
                 f"HostKey {self.host_key}",
                 f"AuthorizedKeysFile {self.dir}/authorized_keys",
-                f"PidFile {self.dir}/sshd.{i // _MAX_LISTEN}.pid",
+                f"PidFile {self.dir}/sshd.{i // self._group}.pid",
                 "PermitRootLogin prohibit-password",
                 "PubkeyAuthentication yes",
                 "PasswordAuthentication no",
@@ -118,9 +121,8 @@ class LoopbackSshd:
             argv = [SSHD, "-D", "-e", "-f", str(config)]
             if self.clean_login:
                 argv = [*self._masking_prefix(), *argv]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=open(self.dir / "sshd.log", "ab"))
-            self._procs.append(proc)
+            self._argvs.append(argv)
+            self._procs.append(self._spawn(argv))
         self._wait_listening(deadline=time.monotonic() + 15)
         return self
 
@@ -160,6 +162,22 @@ class LoopbackSshd:
                     self.stop()
                     raise RuntimeError(f"sshd is not listening on {pending[0]}:{self.port} after 15 s")
                 time.sleep(0.05)
+
+    def _spawn(self, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=open(self.dir / "sshd.log", "ab"))
+
+    def revive_host(self, index: int) -> None:
+        """per_host: host `index`'s sshd listens again (after `kill_host`)."""
+        self._procs[index] = self._spawn(self._argvs[index])
+        self._wait_listening(deadline=time.monotonic() + 15)
+
+    def kill_host(self, index: int) -> None:
+        """per_host: host `index`'s sshd stops listening for good (sessions it already runs go on)."""
+        assert self._group == 1, "kill_host needs LoopbackSshd(per_host=True)"
+        proc = self._procs[index]
+        proc.kill()
+        proc.wait(timeout=5)
 
     def stop(self) -> None:
         for proc in self._procs:

@@ -1,9 +1,9 @@
 """The `tpudist` console script.
 
     tpudist launch [launcher flags] -- python train.py    # the same as python -m tpudist.xla_dist
-    tpudist doctor [--hosts ... | --hostfile ... | --tpu ...]   # every cluster source's verdict, and why;
-                                                                # whether this host's TPU is free; the
-                                                                # device each path computes on
+    tpudist doctor [--hosts ... | --hostfile ... | --tpu ... | --ray ...]
+                        # every cluster source's verdict, and why; whether this host's TPU is free;
+                        # the device each path computes on
     tpudist --version
 """
 
@@ -70,6 +70,8 @@ def doctor_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--hosts", metavar="H1,H2", help="SSH hosts, each [user@]host[:port], worker 0 first")
     cluster.add_argument("--hostfile", metavar="FILE", help="MPI/DeepSpeed hostfile: `host slots=N` per line")
     cluster.add_argument("--tpu", metavar="NAME[,NAME]", help="Cloud TPU VM slices by name (local: this VM's)")
+    cluster.add_argument("--ray", metavar="ADDRESS", help="the nodes of a running Ray cluster (auto, HOST:PORT, "
+                                                          "ray://HOST:10001)")
     where.add_argument("--zone", help="the TPU's zone (default: gcloud's or the metadata server's)")
     where.add_argument("--project", help="the TPU's project (default: gcloud's or the metadata server's)")
     where.add_argument("--internal-ip", action="store_true", help="the TPU workers' internal IPs")

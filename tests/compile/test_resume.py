@@ -76,3 +76,15 @@ def test_a_sharded_run_killed_mid_epoch_restarts_and_ends_bit_identical(tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
     assert "attempt 1 failed; restarting" in done.stderr
     assert (tmp_path / "out").read_text() == (tmp_path / "out0").read_text()
+
+
+def test_a_checkpoint_resumed_by_other_processes_keeps_its_global_batch_when_it_splits():
+    from tpudist.compile._torch.train._resume import Layout, elastic_accumulation
+
+    assert elastic_accumulation(Layout(2, 3), 2, 3) == (3, "")                 # the same job
+    k, said = elastic_accumulation(Layout(4, 1), 2, 1)                         # a host of two dropped
+    assert k == 2 and "every step still trains on 4 loader batches (the same global batch)" in said
+    k, said = elastic_accumulation(Layout(1, 2), 2, 1)                         # --rejoin: back to two
+    assert k == 1 and "the same global batch" in said
+    k, said = elastic_accumulation(Layout(4, 1), 3, 1)                         # 4 batches over 3
+    assert k == 1 and "warning" in said and "a step now trains on 3 batches (the global batch changes" in said

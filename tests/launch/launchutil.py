@@ -153,3 +153,39 @@ def wait_lines(proc: subprocess.Popen, count: int, needle: bytes, timeout: float
             raise AssertionError(f"launcher exited early ({proc.wait()}): {proc.stderr.read().decode()}")
         lines.append(line)
     return lines
+
+
+def job_pids(marker: str) -> list[int]:
+    """Live processes whose argv or environment carries `marker` (every loopback host is here)."""
+    found = []
+    needle = marker.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in argv or needle in environ:
+            found.append(int(entry))
+    return found
+
+
+def environ_of(pid: int) -> dict[bytes, bytes]:
+    """A live process's environment ({} once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return {}
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])

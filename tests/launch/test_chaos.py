@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from launchutil import launch, start_launcher, wait_lines, wait_until
+from launchutil import environ_of, job_pids, launch, parent_of, start_launcher, wait_lines, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,33 +39,11 @@ DAEMON = textwrap.dedent("""
 """)
 
 
-def _pids_of(marker: str) -> list[int]:
-    """Live processes whose argv or environment carries `marker` (every loopback host is here)."""
-    found = []
-    needle = marker.encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read()
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if needle in argv or needle in environ:
-            found.append(int(entry))
-    return found
-
-
 @pytest.fixture
 def nothing_left(marker):
     """Asserts after the test that no process of the job is alive; kills any (by pid) if one is."""
-    yield lambda timeout=2.0: wait_until(lambda: not _pids_of(marker), timeout=timeout)
-    left = _pids_of(marker)
+    yield lambda timeout=2.0: wait_until(lambda: not job_pids(marker), timeout=timeout)
+    left = job_pids(marker)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -87,11 +65,11 @@ def test_launcher_sigkilled_every_process_and_daemon_stops(sshd, marker, nothing
     proc = start_launcher(*_flags(sshd, marker, "--nproc-per-host", "2"), "--", "python", "-c", code, marker)
     try:
         wait_lines(proc, 4, b"ready", timeout=90)
-        assert len(_pids_of(marker)) >= 8  # 4 processes and their 4 daemons (and the launcher)
+        assert len(job_pids(marker)) >= 8  # 4 processes and their 4 daemons (and the launcher)
         t0 = time.monotonic()
         proc.kill()
         proc.wait(timeout=10)
-        assert nothing_left(timeout=10), _pids_of(marker)  # agents: stdin EOF, SIGTERM, 2 s, SIGKILL
+        assert nothing_left(timeout=10), job_pids(marker)  # agents: stdin EOF, SIGTERM, 2 s, SIGKILL
         assert time.monotonic() - t0 < 10
     finally:
         proc.kill()
@@ -111,7 +89,7 @@ def test_launcher_sigterm_stops_the_job_with_143(sshd, marker, nothing_left):
         assert len(re.findall(r"SIGTERM \(stopped\)", _table(err))) == 2, err
         assert "root cause" not in err  # an interrupt has no root cause
         assert took < 5, took
-        assert nothing_left(timeout=2.0), _pids_of(marker)
+        assert nothing_left(timeout=2.0), job_pids(marker)
     finally:
         proc.kill()
 
@@ -121,9 +99,9 @@ def test_killed_ssh_session_fails_the_job_naming_the_lost_host(sshd, marker, not
     proc = start_launcher(*_flags(sshd, marker, "--nproc-per-host", "2"), "--", "python", "-c", code, marker)
     try:
         wait_lines(proc, 4, b"ready", timeout=90)
-        worker1 = [p for p in _pids_of(marker) if _env(p).get(b"TPUDIST_HOST") == b"127.0.0.3"
-                   and _env(p).get(b"RANK") == b"2"]
-        session = _ppid(_ppid(worker1[0]))  # worker -> agent -> sshd session
+        worker1 = [p for p in job_pids(marker) if environ_of(p).get(b"TPUDIST_HOST") == b"127.0.0.3"
+                   and environ_of(p).get(b"RANK") == b"2"]
+        session = parent_of(parent_of(worker1[0]))  # worker -> agent -> sshd session
         t0 = time.monotonic()
         os.kill(session, signal.SIGKILL)
         assert proc.wait(timeout=30) == 255
@@ -133,7 +111,7 @@ def test_killed_ssh_session_fails_the_job_naming_the_lost_host(sshd, marker, not
                          r"lost \(host agent gone", err), err
         assert len(re.findall(r"127\.0\.0\.2\s+0\s+[01]\s+SIGTERM \(stopped\)", err)) == 2, err
         assert took < 15, took
-        assert nothing_left(timeout=10), _pids_of(marker)
+        assert nothing_left(timeout=10), job_pids(marker)
     finally:
         proc.kill()
 
@@ -159,7 +137,7 @@ def test_daemon_holding_the_pipes_neither_delays_fail_fast_nor_survives(sshd, ma
     assert len(re.findall(r"SIGTERM \(stopped\)", _table(err))) == 3, err
     failed_at = float(re.search(r"failing at (\S+)", out)[1])
     assert ended - failed_at < 3.0, f"the launcher ended {ended - failed_at:.1f} s after rank 0 failed"
-    assert nothing_left(timeout=2.0), f"daemons alive 2 s after the job: {_pids_of(marker)}"
+    assert nothing_left(timeout=2.0), f"daemons alive 2 s after the job: {job_pids(marker)}"
 
 
 STUCK = textwrap.dedent("""
@@ -193,7 +171,7 @@ def test_a_rank_stuck_before_a_collective_ends_the_job_within_the_timeout(sshd, 
     assert ended - started < timeout + 10, f"ended {ended - started:.1f} s after the collective began"
     assert "SIGKILL" not in _table(err), err  # the stuck rank too left by itself on SIGTERM
     assert re.search(r"127\.0\.0\.3\s+1\s+3\s+exit 143 \(stopped\)", err), err
-    assert nothing_left(timeout=5), _pids_of(marker)
+    assert nothing_left(timeout=5), job_pids(marker)
 
 
 INIT_AND_WAIT = textwrap.dedent("""
@@ -231,7 +209,7 @@ def test_ctrl_c_on_init_processes_lets_each_exit_by_itself(sshd, tmp_path, marke
         assert took < 3.0 + 2.0, took  # within --stop-grace (3 s), with room for the reports
         assert sorted(re.findall(r"finally (\d)", out)) == ["0", "1", "2", "3"], out
         assert sorted(re.findall(r"atexit (\d)", out)) == ["0", "1", "2", "3"], out
-        assert nothing_left(timeout=5), _pids_of(marker)
+        assert nothing_left(timeout=5), job_pids(marker)
     finally:
         proc.kill()
 
@@ -267,7 +245,7 @@ def test_output_flood_arrives_line_for_line(sshd, tmp_path, marker, nothing_left
         assert b"raw " + rank + b" \xff\xfe\x80 end" in out and out[-1] == b"last " + rank
         assert len(out) == n + 3
     assert took < 90, took
-    assert nothing_left(), _pids_of(marker)
+    assert nothing_left(), job_pids(marker)
 
 
 def test_a_dropped_ssh_connection_restarts_the_job_over_a_new_one(sshd, marker, nothing_left):
@@ -277,10 +255,10 @@ def test_a_dropped_ssh_connection_restarts_the_job_over_a_new_one(sshd, marker, 
     proc = start_launcher(*_flags(sshd, marker, "--max-restarts", "1"), "--", "python", "-c", code, marker)
     try:
         wait_lines(proc, 2, b"ready 0", timeout=90)
-        worker1 = [p for p in _pids_of(marker) if _env(p).get(b"TPUDIST_HOST") == b"127.0.0.3"
-                   and _env(p).get(b"RANK") == b"1"]
+        worker1 = [p for p in job_pids(marker) if environ_of(p).get(b"TPUDIST_HOST") == b"127.0.0.3"
+                   and environ_of(p).get(b"RANK") == b"1"]
         t0 = time.monotonic()
-        os.kill(_ppid(_ppid(worker1[0])), signal.SIGKILL)  # worker -> agent -> its sshd session
+        os.kill(parent_of(parent_of(worker1[0])), signal.SIGKILL)  # worker -> agent -> its sshd session
         code = proc.wait(timeout=60)
         took = time.monotonic() - t0
         out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
@@ -290,7 +268,7 @@ def test_a_dropped_ssh_connection_restarts_the_job_over_a_new_one(sshd, marker, 
                 "(host agent gone: SSH connection lost)") in err, err
         assert "tpudist: the job succeeded on attempt 2, after 1 restart" in err, err
         assert took < 30, took
-        assert nothing_left(timeout=10), _pids_of(marker)
+        assert nothing_left(timeout=10), job_pids(marker)
     finally:
         proc.kill()
 
@@ -309,7 +287,7 @@ def test_an_interpreter_hung_at_startup_leaves_nothing_after_start_timeout(sshd,
     assert "no agent report within --start-timeout 3 s from 127.0.0.2, 127.0.0.3: " in err, err
     assert f"the agent command ({python} -m tpudist.launch.agent) runs there but the agent never reported" in err
     assert took < 20, took
-    assert nothing_left(timeout=2.0), f"left on the hosts after --start-timeout: {_pids_of(marker)}"
+    assert nothing_left(timeout=2.0), f"left on the hosts after --start-timeout: {job_pids(marker)}"
 
 
 class _StallAfterBanner(threading.Thread):
@@ -370,13 +348,3 @@ def test_the_changed_host_key_hint_removes_the_host_port_entry(sshd, tmp_path):
     subprocess.run(hint, shell=True, check=True, capture_output=True, timeout=30)
     left = subprocess.run(["ssh-keygen", "-F", entry, "-f", str(known)], capture_output=True, timeout=30)
     assert not left.stdout.strip(), f"the hint left the old key in place: {left.stdout.decode()}"
-
-
-def _env(pid: int) -> dict[bytes, bytes]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-
-
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[1])

@@ -30,6 +30,8 @@ def build(config: LaunchConfig) -> Cluster:
     if config.job.coordinator_port and len(cluster.hosts) == 1:
         print(f"tpudist: --coordinator-port {config.job.coordinator_port} is not used: a one-host job's JAX "
               "coordinator is a Unix socket only your user can open (docs/launcher.md)", file=sys.stderr)
+    if config.job.min_hosts is not None:
+        _check_elastic(config.job.min_hosts, cluster)
     ranks = config.output.ranks
     if ranks and max(ranks) >= len(plan):
         raise ValueError(f"--ranks-filter {config.output.ranks_text}: the job has ranks 0..{len(plan) - 1}")
@@ -38,6 +40,17 @@ def build(config: LaunchConfig) -> Cluster:
         print(f"tpudist: {cluster.source}: {len(cluster.hosts)} hosts{slices}, {len(plan)} processes",
               file=sys.stderr)
     return cluster
+
+
+def _check_elastic(min_hosts: int, cluster: Cluster) -> None:
+    """--min-hosts needs hosts that can run without each other: not a TPU slice's workers."""
+    if min_hosts > len(cluster.hosts):
+        raise ValueError(f"--min-hosts {min_hosts} is more than the job's {len(cluster.hosts)} hosts")
+    if cluster.accelerator_type or cluster.num_slices > 1:
+        raise ValueError(f"--min-hosts cannot drop a host of a TPU slice ({cluster.accelerator_type or 'multislice'}"
+                         f" from {cluster.source}): the slice's chips work only with every one of its hosts. "
+                         "It works on clusters of independent hosts (--hosts, --hostfile, Slurm); on a TPU, "
+                         "restart on a new slice with --max-restarts and fit's checkpoint_dir")
 
 
 def dry_run(config: LaunchConfig, cluster: Cluster) -> int:

@@ -72,7 +72,7 @@ class EventHandling:
                 self.sessions.discard(worker)
                 agent = self.agents.get(worker)
                 if agent is not None and agent.exit_status() == -1:
-                    reason = "SSH connection lost"
+                    reason = agent.LOST
                 if attempt is not None:
                     attempt.host_lost(worker, reason)
             case AgentReport(_, message):

@@ -31,14 +31,19 @@ class LogSink:
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.lock = threading.Lock()  # shared with anything else the launcher prints
-        self.prefixes = {p.rank: template.format(worker=p.worker, rank=p.rank, local_rank=p.local_rank,
-                                                 host=p.host.address).encode() for p in plan}
+        self.template = template
+        self.replan(plan)
         self.files: dict[int, BinaryIO] = {}
         self.closed: set = set()  # console streams whose reader went away
         self.log_dir = log_dir
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         self.before_first_line = lambda: None  # e.g. take the live status off the screen
+
+    def replan(self, plan: list[ProcessPlan]) -> None:
+        """Each rank's prefix from `plan` (a restart over fewer hosts moves ranks to other hosts)."""
+        self.prefixes = {p.rank: self.template.format(worker=p.worker, rank=p.rank, local_rank=p.local_rank,
+                                                      host=p.host.address).encode() for p in plan}
 
     def write_batch(self, lines: Iterable[pb.LogLine]) -> None:
         out, err = [], []

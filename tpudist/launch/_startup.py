@@ -12,6 +12,8 @@ command started, when the job closes (`unreported`).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Collection
@@ -25,6 +27,19 @@ from tpudist.launch.plan import python_env
 SERVER_START_S = 30.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """A host --min-hosts dropped: before which attempt, when (seconds into the job) and why."""
+
+    host: str
+    before_attempt: int  # 0-based: the attempt that ran without it first
+    at_s: float
+    reason: str
+
+    def text(self) -> str:
+        return f"{self.host} at {self.at_s:.1f} s, before attempt {self.before_attempt + 1} ({self.reason})"
+
+
 class LaunchError(Exception):
     """The job could not be started; the message names the hosts and the fix."""
 
@@ -35,7 +50,13 @@ class Interrupted(Exception):
 
 class AgentStartup:
     """CONNECTING and REGISTERING, as methods of `Supervisor` (which holds the state they use:
-    config, cluster, hosts, token, events, server, agents, registered, sessions, interrupts)."""
+    config, cluster, hosts, token, events, server, agents, registered, sessions, interrupts, active, dropped, restarts, t0)."""
+
+    @functools.cached_property
+    def _tls(self) -> tuple[bytes, bytes]:
+        """The control server's key and certificate when agents dial it directly (made once per job)."""
+        from tpudist.launch.control._tls import self_signed
+        return self_signed()
 
     def _start_server(self, port: concurrent.futures.Future) -> None:
         """Starts the control server; `port` gets its port, or the error, for the agents' side."""
@@ -43,19 +64,29 @@ class AgentStartup:
 
         try:
             self.server = ControlServer(self.token, self.events, self.job_id)
-            self.control_port = self.server.start()
+            if self.cluster.control_address:  # agents dial it over the network (--ray): TLS, every interface
+                self.control_port = self.server.start(bind="[::]" if ":" in self.cluster.control_address
+                                                      else "0.0.0.0", tls=self._tls)
+            else:
+                self.control_port = self.server.start()
             port.set_result(self.control_port)
         except BaseException as e:
             port.set_exception(e)
             raise
 
-    def _connect(self, workers: Collection[int] | None = None) -> None:
-        """CONNECTING: agents start on every host (or on `workers`) while the control server starts here."""
+    def _connect(self, workers: Collection[int] | None = None, tolerate: bool = False) -> dict[int, Exception]:
+        """CONNECTING: agents start on every host (or on `workers`) while the control server starts here.
+        A host that cannot be reached raises LaunchError, or with `tolerate` is returned (worker ->
+        the error) for the caller to drop."""
         port: concurrent.futures.Future[int] = concurrent.futures.Future()
         results: dict = {}
         crashed: list[BaseException] = []  # the connecting thread's own failure, raised here
         if self.server is not None:  # a restart: the server runs
             port.set_result(self.control_port)
+
+        # made here, not in the connecting thread: the certificate is made once, before the server starts
+        make_bootstrap = _bootstrap_for(self.token, preflight_paths(self.config), self.cluster.control_address,
+                                        self._tls[1].decode() if self.cluster.control_address else "")
 
         def connect() -> None:
             try:
@@ -66,7 +97,7 @@ class AgentStartup:
         def _open() -> None:
             results.update(open_agents(
                 self.cluster, python=python_env(self.config.procs).interpreter,
-                make_bootstrap=_bootstrap_for(self.token, preflight_paths(self.config)),
+                make_bootstrap=make_bootstrap,
                 control_port=lambda: _port_of(port),
                 ssh_options=None if self.cluster.local else self.config.ssh,
                 on_connected=self._count_connected, poll=lambda: bool(self.interrupts), workers=workers))
@@ -91,16 +122,17 @@ class AgentStartup:
         self.connected = len(self.agents)
         if self.interrupts:
             raise Interrupted()
-        failed = sorted((w, r) for w, r in results.items() if isinstance(r, Exception))
-        if failed:
-            lines = "\n".join(f"  {r}" for _, r in failed)
+        failed = {w: r for w, r in sorted(results.items()) if isinstance(r, Exception)}
+        if failed and not tolerate:
+            lines = "\n".join(f"  {r}" for r in failed.values())
             raise LaunchError(f"cannot start the job on {len(failed)} of {len(self.hosts)} hosts:\n{lines}")
+        return failed
 
     def _await_agents(self) -> None:
         """REGISTERING: every agent registers and opens its session, within --start-timeout."""
         timeout = self.config.job.start_timeout
         deadline = time.monotonic() + timeout
-        want = set(range(len(self.hosts)))
+        want = set(self.active)
         next_liveness = 0.0
         while not (want <= self.sessions and want <= set(self.registered)):
             if self.interrupts:
@@ -138,9 +170,14 @@ class AgentStartup:
                 "What it started there is killed." + (f" It said: {said}" if said else ""))
 
     def _reconnect(self) -> None:
-        """Before a restart: a new agent (and SSH connection) on every host whose agent was lost."""
-        lost = sorted(set(range(len(self.hosts))) - self.sessions)
-        if not lost:
+        """Before a restart: a new agent (and SSH connection) on every host whose agent was lost.
+
+        Under --min-hosts a host that cannot be reached is dropped, and the job goes on over the
+        others while at least that many remain; under --rejoin the hosts dropped before are tried
+        again, and those that answer are taken back."""
+        lost = sorted(set(self.active) - self.sessions)
+        back = sorted(self.dropped) if self.config.job.rejoin else []
+        if not lost and not back:
             return
         from tpudist.launch._transport import close_agents
 
@@ -148,12 +185,45 @@ class AgentStartup:
                      kill=self.unreported())
         for w in lost:
             self.registered.pop(w, None)
-        self._print(f"tpudist: starting a new agent on {', '.join(str(self.hosts[w]) for w in lost)}")
+        elastic = self.config.job.min_hosts is not None
+        if lost:
+            self._print(f"tpudist: starting a new agent on {', '.join(str(self.hosts[w]) for w in lost)}")
+        if back:
+            self._print(f"tpudist: --rejoin: trying the dropped hosts {', '.join(str(self.hosts[w]) for w in back)}")
         try:
-            self._connect(workers=lost)
+            failed = self._connect(workers=lost + back, tolerate=elastic)
+        except LaunchError as e:
+            raise LaunchError(f"cannot restart the job: {e}") from None
+        gone = {w: str(e) for w, e in failed.items() if w in lost}
+        left = len(self.active) - len(gone) + sum(1 for w in back if w not in failed)
+        if gone and left < (self.config.job.min_hosts or 0):
+            lines = "\n".join(f"  {e}" for e in gone.values())
+            raise LaunchError(f"cannot restart the job: {left} of {len(self.hosts)} hosts would be left, fewer "
+                              f"than --min-hosts {self.config.job.min_hosts}; cannot reach again:\n{lines}")
+        for w in back:
+            if w not in failed:
+                del self.dropped[w]
+                self.active = sorted([*self.active, w])
+                self._print(f"tpudist: --rejoin: {self.hosts[w]} is back; the job runs on it again")
+        for w, error in gone.items():
+            self._drop(w, error)
+        try:
             self._await_agents()
         except LaunchError as e:
             raise LaunchError(f"cannot restart the job: {e}") from None
+
+    def _drop(self, worker: int, reason: str) -> None:
+        """--min-hosts: the job goes on without `worker`'s host (said now, and in the summary)."""
+        self.active = [w for w in self.active if w != worker]
+        self.dropped[worker] = Dropped(self.hosts[worker].address, self.restarts.used, time.monotonic() - self.t0,
+                                       reason.splitlines()[0] if reason else "unreachable")
+        self._print(f"tpudist: --min-hosts {self.config.job.min_hosts}: dropped {self.hosts[worker]} "
+                    f"({self.dropped[worker].reason}); attempt {self.restarts.used + 1} runs on "
+                    f"{len(self.active)} of {len(self.hosts)} hosts")
+
+    def dropped_text(self) -> str:
+        """The hosts --min-hosts dropped: which, when, why."""
+        return "; ".join(d.text() for d in self.dropped.values()) or "none"
 
     def unreported(self) -> set[int]:
         """Workers whose agent command was started but never registered: nothing there watches it."""
@@ -173,10 +243,14 @@ def _port_of(port: concurrent.futures.Future) -> int:
         raise TimeoutError("the control server did not start") from None
 
 
-def _bootstrap_for(token: str, preflight: tuple[str, str]):
-    """`open_agents`' make_bootstrap: each agent's line, once the port it dials is known."""
+def _bootstrap_for(token: str, preflight: tuple[str, str], address: str | None = None, tls_cert: str = ""):
+    """`open_agents`' make_bootstrap: each agent's line, once the port it dials is known (`address`:
+    the launcher's host when agents dial it directly, with the certificate `tls_cert` to trust)."""
     def make(worker: int, host, die_with_parent: bool):
-        return lambda port: Bootstrap(worker=worker, host=host.address, port=port, token=token,
-                                      die_with_parent=die_with_parent, tpu_devices=preflight[0],
-                                      libtpu_lockfile=preflight[1]).encode()
+        def line(port: int) -> bytes:
+            target = "" if not address else (f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
+            return Bootstrap(worker=worker, host=host.address, port=port, token=token,
+                             die_with_parent=die_with_parent, tpu_devices=preflight[0],
+                             libtpu_lockfile=preflight[1], address=target, tls_cert=tls_cert).encode()
+        return line
     return make

@@ -45,6 +45,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cluster.add_argument("--local", action="store_true", help="this machine, without SSH")
     cluster.add_argument("--hosts", metavar="H1,H2", help="SSH hosts, each [user@]host[:port], worker 0 first")
     cluster.add_argument("--hostfile", metavar="FILE", help="MPI/DeepSpeed hostfile: `host slots=N` per line")
+    cluster.add_argument("--ray", metavar="ADDRESS",
+                         help="the nodes of a running Ray cluster (auto, HOST:PORT, ray://HOST:10001): one agent "
+                              "per node (per TPU host where nodes have TPUs), placed through Ray instead of SSH")
     cluster.add_argument("--tpu", metavar="NAME[,NAME]",
                          help="a Cloud TPU VM slice by name; several names: one job over all of them")
     where.add_argument("--zone", help="the TPU's zone (default: gcloud's or the metadata server's)")
@@ -108,6 +111,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                           "signal such as SIGKILL or a preemption's SIGTERM, exit 42 or 128+), hang (no "
                           "progress for --hang-timeout), any (also the program's own errors, e.g. exit 1); "
                           "e.g. infra,hang (default %(default)s)")
+    job.add_argument("--min-hosts", type=int, metavar="N",
+                     help="elastic restarts: a host that cannot be reached again at a restart is dropped "
+                          "and the job goes on over the others (new ranks, a smaller mesh), while at least "
+                          "N hosts remain; needs --max-restarts (default: a restart needs every host)")
+    job.add_argument("--rejoin", action="store_true",
+                     help="with --min-hosts: before each restart, try the dropped hosts again and take "
+                          "back those that answer")
     job.add_argument("--coordinator-port", type=int, metavar="PORT",
                      help="JAX coordinator port of a multi-host job, checked free before the launch "
                           "(default: a free one; a one-host job uses a private Unix socket)")
@@ -170,7 +180,7 @@ def parse_steps(value: str | None, profile_dir: str | None) -> tuple[int, int]:
 def cluster_options(ns: argparse.Namespace) -> ClusterOptions:
     """The "where" flags of a parsed command line (also what `tpudist doctor` reads)."""
     return ClusterOptions(local=ns.local, hosts=ns.hosts, hostfile=ns.hostfile, tpu=ns.tpu, zone=ns.zone,
-                          project=ns.project, internal_ip=ns.internal_ip, num_slices=ns.num_slices)
+                          project=ns.project, internal_ip=ns.internal_ip, num_slices=ns.num_slices, ray=ns.ray)
 
 
 def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
@@ -205,7 +215,7 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> LaunchConfig:
                        accept_new=ns.accept_new_host_keys, connect_timeout=ns.connect_timeout,
                        config_path=ns.ssh_config, fanout=ns.fanout),
         job=JobOptions(start_timeout=ns.start_timeout, stop_grace=ns.stop_grace, max_restarts=ns.max_restarts,
-                       restart_on=ns.restart_on,
+                       restart_on=ns.restart_on, min_hosts=ns.min_hosts, rejoin=ns.rejoin,
                        coordinator_port=ns.coordinator_port, master_port=ns.master_port, dry_run=ns.dry_run,
                        skip_preflight=ns.skip_preflight, hang_timeout=ns.hang_timeout,
                        hang_action=ns.hang_action),

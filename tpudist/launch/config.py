@@ -50,7 +50,7 @@ HANG_ACTIONS = ("stop", "report")
 @dataclasses.dataclass(frozen=True)
 class ClusterOptions:
     """Where the job runs: what the cluster sources read to find the hosts (at most one of
-    `local`, `hosts`, `hostfile`, `tpu`; none: a SLURM allocation, else this machine)."""
+    `local`, `hosts`, `hostfile`, `tpu`, `ray`; none: a SLURM allocation, else this machine)."""
 
     local: bool = False
     """`--local`: this machine, without SSH."""
@@ -70,9 +70,12 @@ class ClusterOptions:
     num_slices: int | None = None
     """`--num-slices N`: the hosts (or one host's processes) form N slices, in contiguous blocks;
     None: one slice per --tpu name, per hostfile `slice=` value, else 1."""
+    ray: str | None = None
+    """`--ray ADDRESS`: the nodes of a running Ray cluster (`auto`, `host:port`, `ray://host:10001`),
+    one agent per node placed through Ray instead of SSH."""
 
     def __post_init__(self) -> None:
-        given = [f"--{name}" for name in ("local", "hosts", "hostfile", "tpu") if getattr(self, name)]
+        given = [f"--{name}" for name in ("local", "hosts", "hostfile", "tpu", "ray") if getattr(self, name)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} both say where to run; give at most one")
         _check_at_least("--num-slices", self.num_slices, 1)
@@ -195,6 +198,12 @@ class JobOptions:
     seconds, collect every rank's Python stacks and print them in one table; None: never."""
     hang_action: str = "stop"
     """`--hang-action`: "stop" ends the job after the table (exit status 124), "report" lets it run."""
+    min_hosts: int | None = None
+    """`--min-hosts N`: a restart goes on without the hosts that cannot be reached again, while at
+    least N hosts remain (new ranks over the survivors); None: a restart needs every host."""
+    rejoin: bool = False
+    """`--rejoin`: before each restart, try the hosts dropped by --min-hosts again and take back those
+    that answer."""
 
     def __post_init__(self) -> None:
         _check_seconds("--start-timeout", self.start_timeout)
@@ -210,6 +219,13 @@ class JobOptions:
         if self.hang_action not in HANG_ACTIONS:
             raise ValueError(f"--hang-action {self.hang_action!r} must be one of {', '.join(HANG_ACTIONS)}")
         _check_port("--master-port", self.master_port)
+        if self.min_hosts is not None:
+            _check_at_least("--min-hosts", self.min_hosts, 1)
+            if not self.max_restarts:
+                raise ValueError(f"--min-hosts {self.min_hosts} continues a job on fewer hosts at a restart, "
+                                 "and no restart is allowed: add --max-restarts N")
+        if self.rejoin and self.min_hosts is None:
+            raise ValueError("--rejoin takes back hosts that --min-hosts dropped: add --min-hosts N")
         if self.coordinator_port and self.coordinator_port == self.master_port:
             raise ValueError(f"--coordinator-port and --master-port are both {self.master_port}; "
                              "they must differ")

@@ -28,6 +28,7 @@ always takes every agent down, so nothing of the job is left running anywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import sys
@@ -38,7 +39,7 @@ from tpudist.launch._events import Event, EventHandling, signal_handlers
 from tpudist.launch._hang import HangWatch, stacks_table
 from tpudist.launch._output import LogSink
 from tpudist.launch._report import StartStatus, ending_table, restart_table
-from tpudist.launch._startup import AgentStartup
+from tpudist.launch._startup import AgentStartup, Dropped
 from tpudist.launch._transport import AgentHandle, close_agents, reach_address
 from tpudist.launch._wake import WakeQueue
 from tpudist.launch.attempt import Attempt, AttemptResult, Outcome, Phase, Restarts
@@ -73,6 +74,8 @@ class Supervisor(AgentStartup, EventHandling):
         self.agents: dict[int, AgentHandle] = {}
         self.registered: dict[int, pb.RegisterRequest] = {}
         self.sessions: set[int] = set()
+        self.active: list[int] = list(range(len(self.hosts)))  # the hosts the job runs on (--min-hosts drops)
+        self.dropped: dict[int, Dropped] = {}
         self.connected = 0
         self.attempt: Attempt | None = None
         self.restarts = Restarts(config.job.max_restarts, on=config.job.restart_on)
@@ -98,18 +101,27 @@ class Supervisor(AgentStartup, EventHandling):
                 self._reconnect()  # hosts whose agent or SSH connection was lost
 
     def _start_attempt(self) -> Attempt:
-        probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[0].free_ports)
-        plan = build_plan(self.config.procs, self.cluster, choose_ports(self.config.job, probed),
+        first = self.active[0]
+        probed = _proc.free_ports(2) if self.cluster.local else list(self.registered[first].free_ports)
+        # Over the hosts that are left (--min-hosts): ranks, worker numbers and the coordinator's host
+        # are the survivors'; each process's `worker` stays its host's agent, whose Start carries it.
+        cluster = self.cluster if not self.dropped else dataclasses.replace(
+            self.cluster, hosts=tuple(self.hosts[w] for w in self.active))
+        plan = build_plan(self.config.procs, cluster, choose_ports(self.config.job, probed),
                           job_id=self.job_id, attempt=self.restarts.used,
-                          coordinator=reach_address(self.cluster, self.config.ssh),
+                          coordinator=reach_address(cluster, self.config.ssh),
                           stop_grace=self.config.job.stop_grace, console=self.console)
+        plan = [dataclasses.replace(p, worker=self.active[p.worker]) for p in plan]
+        self.nprocs = len(plan)
         if self.sink is None:
             out = self.config.output
             self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)
             self.sink.before_first_line = self.status.stop
+        elif self.dropped or self.config.job.rejoin:
+            self.sink.replan(plan)
         self.attempt = Attempt(plan, number=self.restarts.used)
         self.hangs.restart(time.monotonic())
-        for worker in range(len(self.hosts)):
+        for worker in self.active:
             specs = [process_spec(p) for p in plan if p.worker == worker]
             if not self.server.send(worker, pb.LauncherMessage(start=pb.Start(
                     attempt=self.attempt.number, processes=specs, grace_s=self.config.job.stop_grace))):
@@ -192,7 +204,7 @@ class Supervisor(AgentStartup, EventHandling):
 
     def _show_status(self) -> None:
         attempt = self.attempt
-        self.status.update(hosts=len(self.hosts), connected=self.connected, registered=len(self.sessions),
+        self.status.update(hosts=len(self.active), connected=self.connected, registered=len(self.sessions),
                            running=attempt.running() if attempt else 0, processes=self.nprocs,
                            attempt=self.restarts.used)
 
@@ -217,6 +229,9 @@ def _ending(sup: Supervisor, result: AttemptResult):
     elif sup.config.output.verbose:
         yield (f"tpudist: {len(result.states)} processes on {len(sup.hosts)} hosts finished "
                f"in {time.monotonic() - sup.t0:.1f} s")
+    if sup.dropped and not sup.config.output.quiet:
+        yield (f"tpudist: the job ended on {len(sup.active)} of {len(sup.hosts)} hosts; --min-hosts dropped "
+               + sup.dropped_text())
     if sup.config.procs.profile_dir:
         from tpudist.launch._profile import collect
 

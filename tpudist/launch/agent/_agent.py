@@ -25,7 +25,7 @@ import grpc
 
 import tpudist._proc as _proc
 from tpudist.launch._wake import WakeQueue
-from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TOKEN_METADATA, Bootstrap
+from tpudist.launch.control import MESSAGE_SIZE_OPTIONS, TLS_NAME, TOKEN_METADATA, Bootstrap
 from tpudist.launch.control import control_pb2 as pb
 from tpudist.launch.control import control_pb2_grpc as pb_grpc
 from tpudist.launch.agent import _dump, _tpucheck
@@ -87,6 +87,11 @@ def versions() -> dict[str, str]:
     return found
 
 
+STDIN_CLOSED = "stdin closed: the launcher or its connection is gone"
+PARENT_GONE_S = 0.3  # after a SIGTERM, how long to watch for the parent's death (to say which it was)
+_AGENT_GOING = (STDIN_CLOSED, "SIGTERM", "SIGHUP")  # reasons to end that are the agent's own, not the launcher's
+
+
 class Ending:
     """How an agent's run ends: the first reason given, from any thread or a signal handler.
 
@@ -128,6 +133,8 @@ class Agent:
         self.first_rank = 0  # this host's lowest rank: whose output the gate's lines appear in
         self.ending = Ending()
         self.child_ended = False  # SIGCHLD: an orphan re-parented to this agent may need reaping
+        self.parent = os.getppid()
+        self.stream_done = threading.Event()  # the control stream's responses ended (or broke)
 
     def finish(self, reason: str) -> None:
         """Ends the run (any thread, or a signal handler: see Ending)."""
@@ -135,16 +142,21 @@ class Agent:
 
     def run(self) -> int:
         threading.Thread(target=self._watch_stdin, daemon=True).start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-            *MESSAGE_SIZE_OPTIONS])
+        options = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                   *MESSAGE_SIZE_OPTIONS]
+        if self.boot.tls_cert:  # dialled over the network (--ray): trust the job's own certificate alone
+            channel = grpc.secure_channel(self.boot.target(), grpc.ssl_channel_credentials(
+                root_certificates=self.boot.tls_cert.encode()), options=[
+                    *options, ("grpc.ssl_target_name_override", TLS_NAME)])
+        else:  # 127.0.0.1: the SSH tunnel's end on this host, or the launcher's own machine
+            channel = grpc.insecure_channel(self.boot.target(), options=options)
         try:
             stub = pb_grpc.ControlStub(channel)
             # Register and open the Session together: one round trip through the tunnel, not two.
             registered = stub.Register.future(pb.RegisterRequest(
                 worker=self.worker, host=self.host, hostname=socket.gethostname(), versions=versions(),
-                free_ports=_proc.free_ports(2) if self.worker == 0 else [], pid=os.getpid(),
+                free_ports=_proc.free_ports(2), pid=os.getpid(),
                 tpu=self._check_tpu()),
                 metadata=self.metadata, timeout=30, wait_for_ready=True)
             responses = stub.Session(self._requests(), metadata=self.metadata, wait_for_ready=True)
@@ -155,10 +167,31 @@ class Agent:
                     self.child_ended = False
                     self.procs.reap()
         finally:
+            if self.ending.reason in _AGENT_GOING:
+                # This agent is going by itself (its parent, its stdin or a signal): say why and end
+                # the session first, so that the launcher counts the host as lost instead of blaming
+                # the SIGTERM its processes get next (over SSH the tunnel is usually gone already).
+                self.outbound.put(pb.AgentMessage(worker=self.worker, goodbye=pb.Goodbye(reason=self._going())))
+                self.outbound.put(_CLOSE)
+                self.stream_done.wait(1.0)  # the launcher read it and ended the call: nothing is dropped
+                channel.close()
             self._teardown()
             self.outbound.put(_CLOSE)
             channel.close()
         return 0
+
+    def _going(self) -> str:
+        """Why this agent ends by itself, as the launcher says it."""
+        # Its parent's death signal comes when the parent's *thread* that started it exits, which for
+        # a killed process is before the process is gone: give the rest of it a moment to go.
+        deadline = time.monotonic() + (PARENT_GONE_S if self.ending.reason == "SIGTERM" else 0.0)
+        while os.getppid() == self.parent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if os.getppid() != self.parent:
+            return "its parent died (the SSH session or the Ray actor that started it)"
+        if self.ending.reason == STDIN_CLOSED:
+            return "its stdin closed (the launcher's connection to it is gone)"
+        return f"{self.ending.reason} to the agent"
 
     def _check_tpu(self) -> pb.TpuCheck:
         if not self.boot.tpu_devices:
@@ -173,7 +206,7 @@ class Agent:
                 pass
         except OSError:
             pass
-        self.finish("stdin closed: the launcher or its SSH connection is gone")
+        self.finish(STDIN_CLOSED)
 
     def _serve(self, responses) -> None:
         try:
@@ -192,6 +225,8 @@ class Agent:
             self.finish("the launcher ended the control stream")
         except grpc.RpcError as e:
             self.finish(f"control stream lost: {e.code().name}")
+        finally:
+            self.stream_done.set()
 
     def _send_stacks(self, request: int) -> None:
         ranks = _dump.collect(self.procs.debug_targets())

@@ -25,7 +25,7 @@ __all__ = ["Cluster", "ClusterSource", "Host", "Verdict", "SOURCE_MODULES", "sou
            "resolve_cluster", "choose_cluster", "with_slices"]
 
 SOURCE_MODULES = tuple(f"tpudist.launch.clusters.{name}"
-                       for name in ("local", "hosts", "hostfile", "tpu_metadata", "gcloud", "slurm"))
+                       for name in ("local", "hosts", "hostfile", "ray", "tpu_metadata", "gcloud", "slurm"))
 
 
 def sources() -> list[type[ClusterSource]]:
@@ -47,7 +47,7 @@ def resolve_cluster(options: ClusterOptions) -> Cluster:
             return source.resolve(options)
     lines = "\n".join(f"  {name}: {v.reason}" for name, v in verdicts(options))
     raise ValueError(f"no cluster source applies to this command line:\n{lines}\n"
-                     "Pass --local, --hosts, --hostfile or --tpu.")
+                     "Pass --local, --hosts, --hostfile, --tpu or --ray.")
 
 
 def choose_cluster(options: ClusterOptions) -> Cluster:

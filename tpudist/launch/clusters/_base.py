@@ -47,6 +47,8 @@ class Cluster:
     num_slices: int = 1  # slices joined over DCN
     host_slices: tuple[int, ...] = ()  # each host's slice, host order; (): one slice, or one host's processes
     slices: tuple["Cluster", ...] = ()  # a TPU multislice job: each slice's own cluster, slice order
+    ray_nodes: tuple[str, ...] = ()  # --ray: each host's Ray node id, host order (agents placed by Ray)
+    control_address: str | None = None  # where agents dial the launcher directly, over TLS (no SSH tunnel)
 
 
 @dataclasses.dataclass(frozen=True)

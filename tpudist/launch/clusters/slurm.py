@@ -111,7 +111,7 @@ def expand_tasks_per_node(text: str, nodes: int) -> list[int]:
 
 
 def _explicit_flag(options: ClusterOptions) -> str | None:
-    for flag in ("hosts", "hostfile", "tpu", "local"):
+    for flag in ("hosts", "hostfile", "tpu", "ray", "local"):
         if getattr(options, flag):
             return f"--{flag}"
     return None

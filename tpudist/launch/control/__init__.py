@@ -20,6 +20,7 @@ import json
 from typing import NamedTuple
 
 TOKEN_METADATA = "tpudist-token"  # the gRPC metadata key of the per-job token
+TLS_NAME = "tpudist-launcher"  # the name in the control server's certificate, when agents dial it directly
 MAX_MESSAGE_BYTES = 64 << 20  # both ends' send and receive limit (a Start for many processes, log batches)
 MESSAGE_SIZE_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
@@ -35,6 +36,12 @@ class Bootstrap(NamedTuple):
     die_with_parent: bool  # ask Linux for SIGTERM when the agent's parent (sshd's session) dies
     tpu_devices: str = ""  # the TPU preflight's device node globs ("": skip it, --skip-preflight)
     libtpu_lockfile: str = ""  # ... and libtpu's lock file
+    address: str = ""  # host:port of the control server when dialled directly (--ray); "": 127.0.0.1:port
+    tls_cert: str = ""  # the control server's certificate (PEM) to trust, when dialled directly
+
+    def target(self) -> str:
+        """What the agent dials."""
+        return self.address or f"127.0.0.1:{self.port}"
 
     def encode(self) -> bytes:
         return base64.b64encode(json.dumps(self._asdict()).encode()) + b"\n"

@@ -120,6 +120,9 @@ class _Servicer(pb_grpc.ControlServicer):
             reason = "the agent closed its control stream"
             try:
                 while (msg := await context.read()) is not grpc.aio.EOF:
+                    if msg.WhichOneof("kind") == "goodbye":  # it ends by itself, and says why
+                        reason = f"the agent ended: {msg.goodbye.reason}"
+                        continue
                     events.put(AgentReport(worker, msg))
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 reason = f"control stream broken ({getattr(e, 'code', lambda: 'cancelled')()})"
@@ -138,7 +141,7 @@ class _Servicer(pb_grpc.ControlServicer):
 
 
 class ControlServer:
-    """The gRPC server, on 127.0.0.1 and an asyncio thread of its own."""
+    """The gRPC server, on 127.0.0.1 (or, over TLS, on every interface) and an asyncio thread of its own."""
 
     def __init__(self, token: str, events: "WakeQueue[ControlEvent]", job_id: str = "") -> None:
         self.token, self.events, self.job_id = token, events, job_id
@@ -148,12 +151,14 @@ class ControlServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tpudist-control", daemon=True)
         self._server: grpc.aio.Server | None = None
 
-    def start(self, timeout_s: float = 10.0) -> int:
-        """Starts serving; returns the port on 127.0.0.1."""
+    def start(self, timeout_s: float = 10.0, *, bind: str = "127.0.0.1",
+              tls: tuple[bytes, bytes] | None = None) -> int:
+        """Starts serving; returns the port on `bind` (127.0.0.1: agents come through SSH tunnels;
+        with `tls`, a (key, certificate) pair, agents dial it over the network)."""
         self._thread.start()
-        return asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(self._start(bind, tls), self._loop).result(timeout_s)
 
-    async def _start(self) -> int:
+    async def _start(self, bind: str, tls: tuple[bytes, bytes] | None) -> int:
         self._server = grpc.aio.server(
             interceptors=[TokenInterceptor(self.token, self._count_reject)],
             options=[("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
@@ -161,7 +166,10 @@ class ControlServer:
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
                      ("grpc.http2.max_ping_strikes", 0), *MESSAGE_SIZE_OPTIONS])
         pb_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            port = self._server.add_insecure_port(f"{bind}:0")
+        else:
+            port = self._server.add_secure_port(f"{bind}:0", grpc.ssl_server_credentials([tls]))
         await self._server.start()
         return port
 

@@ -49,6 +49,64 @@ class Progress:
     global_step: int = 0
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a run splits the loader: `processes` processes, each taking `accumulate` of its batches
+    per optimizer step, so every step trains on `processes * accumulate` loader batches."""
+
+    processes: int
+    accumulate: int
+
+    @property
+    def batches_per_step(self) -> int:
+        return self.processes * self.accumulate
+
+
+def saved_layout(directory: str) -> Layout | None:
+    """The layout of the latest checkpoint in `directory` (None: none, or one saved before layouts
+    were recorded). Read by every process on its own before the step is built: the restart over
+    fewer hosts (--min-hosts) must choose its accumulation from it."""
+    import orbax.checkpoint as ocp
+
+    from tpudist import checkpoint
+    from tpudist.checkpoint._store import _item, _path
+    step = checkpoint.latest_step(directory)
+    if step is None:
+        return None
+    item = _item(_path(directory), step)
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = ocp.tree.to_flat_dict(handler.metadata(item).tree)
+        if ("progress", "processes") not in saved:
+            return None
+        want = {"progress": {"processes": 0, "accumulate": 0}}
+        got = handler.restore(item, args=ocp.args.PyTreeRestore(
+            want, restore_args={"progress": {k: ocp.RestoreArgs() for k in want["progress"]}}, partial_restore=True))
+    finally:
+        handler.close()
+    return Layout(int(got["progress"]["processes"]), int(got["progress"]["accumulate"]))
+
+
+def elastic_accumulation(saved: Layout, processes: int, accumulate: int) -> tuple[int, str]:
+    """The accumulation steps that keep a checkpoint's global batch on `processes` processes, and
+    what to tell the user ("" when nothing changes). The same global batch when the saved batches
+    per step split evenly over the processes; else the nearest smaller one, said."""
+    if saved.processes == processes and saved.accumulate == accumulate:
+        return accumulate, ""
+    per_step = saved.batches_per_step
+    if saved.processes == processes:  # the user changed accumulate_steps: theirs to choose
+        return accumulate, ""
+    if per_step % processes == 0:
+        k = per_step // processes
+        return k, (f"fit: the checkpoint was trained by {saved.processes} processes x {saved.accumulate} "
+                   f"accumulation steps; {processes} processes now take {k} each, so every step still "
+                   f"trains on {per_step} loader batches (the same global batch)")
+    k = max(1, per_step // processes)
+    return k, (f"fit: warning: the checkpoint's {per_step} loader batches per step ({saved.processes} processes "
+               f"x {saved.accumulate}) do not split over {processes} processes; each takes {k}, so a step now "
+               f"trains on {k * processes} batches (the global batch changes; the learning rate does not)")
+
+
 def loader_generator(loader: Any) -> torch.Generator | None:
     """The generator a DataLoader shuffles with, if it has one of its own."""
     for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
@@ -71,8 +129,9 @@ class Checkpointer:
     """Saves and restores one `fit`'s training state under `directory` (see the module docstring)."""
 
     def __init__(self, directory: str, step: "TrainStep", optimizer: torch.optim.Optimizer, scheduler: Any,
-                 loader: Any):
+                 loader: Any, layout: Layout):
         self.directory, self.step, self.optimizer, self.scheduler = str(directory), step, optimizer, scheduler
+        self.layout = layout
         self.generator = loader_generator(loader)
         self.epoch_rng = torch.get_rng_state()
         self.epoch_loader_rng = self.generator.get_state() if self.generator is not None else None
@@ -107,7 +166,8 @@ class Checkpointer:
                         "step_key": self._per_process(key), "has_key": self._per_process(
                             np.asarray([rng is not None], np.uint8))},
             "progress": {"epoch": progress.epoch, "position": progress.position,
-                         "global_step": progress.global_step},
+                         "global_step": progress.global_step, "processes": self.layout.processes,
+                         "accumulate": self.layout.accumulate},
             "hyper": {"optimizer": _encode(groups),
                       "scheduler": _encode(self.scheduler.state_dict() if self.scheduler is not None else None)},
         }
@@ -130,10 +190,22 @@ class Checkpointer:
         if checkpoint.latest_step(self.directory) is None:
             return None
         like = self.tree(Progress())  # device arrays of the right shapes and shardings
+        rows = self._saved_rows(like["process"]["torch_rng"].shape[0])
+        if rows is not None:  # saved by other processes (a restart over fewer hosts): read whole
+            like["process"] = {k: np.zeros((rows, v.shape[1]), v.dtype) for k, v in like["process"].items()}
+        saved = saved_layout(self.directory)
+        if saved is None:  # a checkpoint from before layouts were recorded
+            del like["progress"]["processes"], like["progress"]["accumulate"]
         saved_at, tree = checkpoint.restore(self.directory, like=like)
         self._saved = saved_at
         self.step.load_state(tree["state"])
-        process = {k: _local_row(v) for k, v in tree["process"].items()}
+        if rows is None:
+            process = {k: _local_row(v) for k, v in tree["process"].items()}
+        else:  # this rank's old rows when it had some, else rank 0's: the random streams go on from there
+            from tpudist._runtime import process_index
+            per = rows // saved.processes if saved is not None and rows % saved.processes == 0 else rows
+            row = process_index() * per if process_index() * per < rows else 0
+            process = {k: np.asarray(v)[row] for k, v in tree["process"].items()}
         torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(process["torch_rng"]).astype(np.uint8)))
         self.epoch_rng = torch.from_numpy(np.ascontiguousarray(process["epoch_rng"]).astype(np.uint8))
         if self.generator is not None:
@@ -149,6 +221,21 @@ class Checkpointer:
         progress = tree["progress"]
         log.info("fit: resumed from %s at step %d", self.directory, saved_at)
         return Progress(int(progress["epoch"]), int(progress["position"]), int(progress["global_step"]))
+
+    def _saved_rows(self, rows: int) -> int | None:
+        """The saved per-device rows' count when it is not `rows`, this run's (other processes or devices)."""
+        import orbax.checkpoint as ocp
+
+        from tpudist import checkpoint
+        from tpudist.checkpoint._store import _item, _path
+        step = checkpoint.latest_step(self.directory)
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            saved = ocp.tree.to_flat_dict(handler.metadata(_item(_path(self.directory), step)).tree)
+        finally:
+            handler.close()
+        have = saved.get(("process", "torch_rng"))
+        return None if have is None or int(have.shape[0]) == rows else int(have.shape[0])
 
     def replay_epoch_start(self) -> None:
         """Resets the generators to the resumed epoch's start, so its shuffle is drawn again; the
