@@ -18,6 +18,10 @@ default (TORCH_THREADS below says why). Contenders:
 - tpudist_tp4: the same after `tpudist.parallelize(model, make_mesh({"model": 4}), "llama"/"gpt2")`,
   in 2 processes x 2 CPU devices (`tpudist.testing.run_on_mesh`); rank 0's times.
 - eager_static / eager_dynamic: eager torch, `cache_implementation="static"` / the default DynamicCache.
+- hf_loop: Hugging Face's `generate()` loop alone, on the same model and static cache but with a
+  forward that computes nothing (it returns zero logits): what torch and transformers cost per token
+  around any model call. No backend under `generate()` goes below jax_floor + hf_loop, so tpudist's
+  rows also give their ratio to that sum (`/floor+loop`). Its tokens are not checked (all zeros).
 - jax_floor: the same model written by hand in JAX (below: weights copied from the torch model, one
   jitted prefill and one jitted decode step, the KV cache one array per K and V updated with
   `lax.dynamic_update_slice` and donated, greedy argmax on the device, no host sync until the last
@@ -67,7 +71,8 @@ from typing import Any
 
 import _bench
 
-CONTENDERS = ("tpudist", "tpudist_tp4", "eager_static", "eager_dynamic", "jax_floor", "jax_floor_tp4")
+CONTENDERS = ("tpudist", "tpudist_tp4", "eager_static", "eager_dynamic", "hf_loop", "jax_floor", "jax_floor_tp4")
+UNCHECKED = ("hf_loop",)  # its forward computes nothing: no tokens or logits to compare
 TP_SIDES = ("tpudist_tp4", "jax_floor_tp4")  # the tensor-parallel run's contenders; the second is its floor
 TP_DEVICES, TP_PROCESSES = 4, 2
 TP_TIMEOUT_S = 1800.0
@@ -111,6 +116,26 @@ def build(name: str, sizes: dict[str, int], cache_len: int) -> Any:
         cls = GPT2LMHeadModel
     torch.manual_seed(0)
     return cls(config).eval()
+
+
+def loop_only(name: str, sizes: dict[str, int], cache_len: int) -> Any:
+    """The model with a forward that does no work (zero logits of the right shape, the cache handed
+    back untouched), its signature kept so that `generate()` prepares the same inputs."""
+    import functools
+
+    import torch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    model = build(name, sizes, cache_len)
+    vocab = sizes["vocab"]
+
+    @functools.wraps(model.forward)
+    def forward(input_ids=None, *args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        return CausalLMOutputWithPast(logits=torch.zeros(input_ids.shape[0], input_ids.shape[1], vocab),
+                                      past_key_values=cache)
+
+    model.forward = forward
+    return model
 
 
 def prompt(batch: int, length: int, vocab: int) -> Any:
@@ -443,6 +468,7 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
     eager = build(name, sizes, cache_len)
     compiled = build(name, sizes, cache_len)
     compiled.forward = torch.compile(compiled.forward, backend="tpudist")
+    loop = loop_only(name, sizes, cache_len)
     floor = Floor(eager, cache_len)
     floor_ok = check_floor(name, eager, floor, sizes["vocab"])
     result: dict[str, Any] = {"times": {}, "tokens": {}, "floor_ok": floor_ok}
@@ -451,6 +477,7 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
         runs = {"tpudist": lambda n: generate(compiled, ids, n, cache_len),
                 "eager_static": lambda n: generate(eager, ids, n, cache_len),
                 "eager_dynamic": lambda n: generate(eager, ids, n, None),
+                "hf_loop": lambda n: generate(loop, ids, n, cache_len),
                 "jax_floor": lambda n: torch.from_numpy(floor.generate(ids, n))}
         result["times"][batch], last = time_generation(runs, new_tokens, setup["rounds"], tpudist_captures)
         result["tokens"][batch] = {side: out.numpy() for side, out in last.items()}
@@ -492,12 +519,13 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
     rows = []
     for side in (c for c in CONTENDERS if c in times):
         differ = [b for b in tokens[side] if (tokens[side][b] != tokens["eager_static"][b]).any()]
-        if differ:
+        if differ and side not in UNCHECKED:
             loud(f"{name} {side}: generated tokens differ from eager_static's at batch(es) {differ}")
-        error = float(np.abs(logits[side] - logits["eager_static"]).max())
+        error = float(np.abs(logits[side] - logits["eager_static"]).max()) if side in logits else float("nan")
         if error > LOGITS_RTOL * max(1.0, float(np.abs(logits["eager_static"]).max())):
             loud(f"{name} {side}: logits at batch {batches[0]} differ from eager_static's by up to {error:.3g}")
-        row: dict[str, Any] = {"model": name, "contender": side, "tokens_match": not differ, "logits_error": error}
+        row: dict[str, Any] = {"model": name, "contender": side,
+                               "tokens_match": None if side in UNCHECKED else not differ, "logits_error": error}
         for b in (b for b in batches if b in times[side]):
             ms = times[side][b]["decode_ms"]
             row[f"ttft_ms_b{b}"] = times[side][b]["ttft_ms"]
@@ -506,6 +534,9 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
             floor = "jax_floor_tp4" if side in TP_SIDES else "jax_floor"  # each against the floor of its layout
             row[f"over_floor_b{b}"] = ratio(ms, times[floor][b]["decode_ms"]) if here["floor_ok"] else None
             row[f"over_eager_static_b{b}"] = ratio(ms, times["eager_static"][b]["decode_ms"])
+            if side == "tpudist" and here["floor_ok"]:  # the floor any backend under generate() has
+                row[f"over_floor_loop_b{b}"] = ratio(ms, times["jax_floor"][b]["decode_ms"]
+                                                     + times["hf_loop"][b]["decode_ms"])
             row[f"samples_s_b{b}"] = times[side][b]["samples_s"]
         if side in TP_SIDES:
             memory = tp["memory"]
@@ -529,11 +560,12 @@ def columns(batches: list[int]) -> list[tuple]:
             (f"TTFT ms b{first}", f"ttft_ms_b{first}", ".1f"), (f"ms/token b{first}", f"decode_ms_b{first}", ".2f")]
     cols += [(f"tok/s b{b}", f"tokens_per_s_b{b}", ".0f") for b in batches[1:]]
     cols += [(f"/floor b{first}", f"over_floor_b{first}", "x"), (f"/floor b{last}", f"over_floor_b{last}", "x"),
+             (f"/floor+loop b{first}", f"over_floor_loop_b{first}", "x"),
              (f"/eager-static b{first}", f"over_eager_static_b{first}", "x"),
              (f"/eager-static b{last}", f"over_eager_static_b{last}", "x"),
              ("params/dev", "params_per_device", "bytes"), ("cache/dev", "cache_per_device", "bytes"),
              ("mem/dev / total", "memory_over_total", "x"),
-             ("tokens", lambda r: "same" if r["tokens_match"] else "DIFFER", "s"),
+             ("tokens", lambda r: {True: "same", False: "DIFFER", None: "-"}[r["tokens_match"]], "s"),
              ("max |logit diff|", "logits_error", ".1e")]
     return cols
 
