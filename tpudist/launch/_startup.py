@@ -95,12 +95,15 @@ class AgentStartup:
                 crashed.append(e)
 
         def _open() -> None:
-            results.update(open_agents(
-                self.cluster, python=python_env(self.config.procs).interpreter,
-                make_bootstrap=make_bootstrap,
-                control_port=lambda: _port_of(port),
-                ssh_options=None if self.cluster.local else self.config.ssh,
-                on_connected=self._count_connected, poll=lambda: bool(self.interrupts), workers=workers))
+            common = dict(python=python_env(self.config.procs).interpreter, make_bootstrap=make_bootstrap,
+                          control_port=lambda: _port_of(port), on_connected=self._count_connected,
+                          poll=lambda: bool(self.interrupts), workers=workers)
+            if self.cluster.ray_nodes:  # --ray: an actor per node starts its agent (tpudist/launch/_ray.py)
+                from tpudist.launch._ray import open_ray_agents
+                results.update(open_ray_agents(self.cluster, **common))
+            else:
+                results.update(open_agents(self.cluster, ssh_options=None if self.cluster.local else self.config.ssh,
+                                           **common))
 
         # The local agent dials the server directly, so it must be up first; and the local agent's
         # death signal is tied to the thread that starts it, so it starts here.

@@ -260,11 +260,6 @@ def open_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[int,
     if cluster.local:
         host = cluster.hosts[0]
         return {0: LocalAgent(0, host, python, make_bootstrap(0, host, True), control_port)}
-    if cluster.ray_nodes:  # --ray: an actor per node starts its agent (tpudist/launch/_ray.py)
-        from tpudist.launch._ray import open_ray_agents
-
-        return open_ray_agents(cluster, python=python, make_bootstrap=make_bootstrap, control_port=control_port,
-                               on_connected=on_connected, poll=poll, workers=workers)
 
     from tpudist.launch import _ssh
 

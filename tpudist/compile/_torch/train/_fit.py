@@ -145,24 +145,6 @@ def concat_batches(batches: list[Any]) -> Any:
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def _elastic_accumulation(checkpoint_dir: str, count: int, accumulate_steps: int, shard: bool, rank: int) -> int:
-    """The accumulation steps for a run that resumes a checkpoint saved by another number of
-    processes: as many as keep its global batch (`_resume.elastic_accumulation`), said on rank 0."""
-    saved = _resume.saved_layout(checkpoint_dir)
-    if saved is None or saved.processes == count:
-        return accumulate_steps
-    if not shard:
-        if rank == 0:
-            print(f"fit: warning: the checkpoint in {checkpoint_dir} was trained by {saved.processes} processes, "
-                  f"this run has {count}; with shard=False your loader decides each process's share, so the "
-                  "global batch is what it gives (fit(shard=True) keeps the checkpoint's)", file=sys.stderr, flush=True)
-        return accumulate_steps
-    accumulate_steps, said = _resume.elastic_accumulation(saved, count, accumulate_steps)
-    if said and rank == 0:
-        print(said, file=sys.stderr, flush=True)
-    return accumulate_steps
-
-
 # fit's fused steps, kept per model so that calling fit once per epoch (to evaluate or step an LR
 # schedule in between) compiles once, not once per call
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -326,7 +308,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
         raise ValueError("fit(mesh=, sharding=) configure the fused step; with step_fn= build your step with them")
     rank, count = process_index(), process_count()
     if checkpoint_dir is not None:  # a restart over fewer hosts (--min-hosts) keeps the global batch
-        accumulate_steps = _elastic_accumulation(checkpoint_dir, count, accumulate_steps, shard, rank)
+        accumulate_steps = _resume.resumed_accumulation(checkpoint_dir, count, accumulate_steps, shard, rank)
     fused = step_fn is None
     step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps,
                                                                 mesh, sharding)

@@ -107,6 +107,25 @@ def elastic_accumulation(saved: Layout, processes: int, accumulate: int) -> tupl
                f"trains on {k * processes} batches (the global batch changes; the learning rate does not)")
 
 
+def resumed_accumulation(checkpoint_dir: str, count: int, accumulate_steps: int, shard: bool, rank: int) -> int:
+    """fit's accumulation steps for a run that resumes a checkpoint saved by another number of
+    processes: as many as keep its global batch (`elastic_accumulation`), said on rank 0."""
+    import sys
+    saved = saved_layout(checkpoint_dir)
+    if saved is None or saved.processes == count:
+        return accumulate_steps
+    if not shard:
+        if rank == 0:
+            print(f"fit: warning: the checkpoint in {checkpoint_dir} was trained by {saved.processes} processes, "
+                  f"this run has {count}; with shard=False your loader decides each process's share, so the "
+                  "global batch is what it gives (fit(shard=True) keeps the checkpoint's)", file=sys.stderr, flush=True)
+        return accumulate_steps
+    accumulate_steps, said = elastic_accumulation(saved, count, accumulate_steps)
+    if said and rank == 0:
+        print(said, file=sys.stderr, flush=True)
+    return accumulate_steps
+
+
 def loader_generator(loader: Any) -> torch.Generator | None:
     """The generator a DataLoader shuffles with, if it has one of its own."""
     for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
