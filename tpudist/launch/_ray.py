@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection
 
 from tpudist.launch._transport import AGENT_MODULE, AgentHandle
 from tpudist.launch.clusters import Cluster, Host
+from tpudist.launch.clusters.ray import first_line
 
 START_TIMEOUT_S = 60.0  # for Ray to place an actor on its node and the actor to start the agent
 RAY_CALL_S = 10.0  # for a call on a live actor (its stderr, closing)
@@ -100,8 +101,8 @@ class RayAgent(AgentHandle):
 
     LOST = "its Ray actor died (the node lost, or the actor killed)"
 
-    def __init__(self, worker: int, host: Host, actor, pid: int) -> None:
-        self.worker, self.host, self.actor, self.pid = worker, host, actor, pid
+    def __init__(self, worker: int, host: Host, actor) -> None:
+        self.worker, self.host, self.actor = worker, host, actor
         self._exit = actor.wait.remote()  # ready when the agent exits; an error when the actor or node dies
         self._status: int | None = None
         self._said = ""
@@ -115,7 +116,7 @@ class RayAgent(AgentHandle):
                 try:
                     self._status = int(ray.get(ready[0]))
                 except Exception as e:  # noqa: BLE001 - the actor (or its node) died: the host is lost
-                    self._status, self._said = -1, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    self._status, self._said = -1, f"{type(e).__name__}: {first_line(e)}"
         return self._status
 
     def stderr_text(self) -> str:
@@ -165,8 +166,7 @@ def open_ray_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[
     actor_class = _actor_class()
     hosts = {w: h for w, h in enumerate(cluster.hosts) if workers is None or w in workers}
     actors = {w: actor_class.options(
-        name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.ray_nodes[w], soft=False)).remote()
-        for w in hosts}
+        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.ray_nodes[w], soft=False)).remote() for w in hosts}
     port = control_port()
     argv = [python, "-m", AGENT_MODULE]
     # die_with_parent: the agent's parent is the actor, gone with the job (or the node)
@@ -180,11 +180,12 @@ def open_ray_agents(cluster: Cluster, *, python: str, make_bootstrap: Callable[[
         for w in [w for w, ref in pending.items() if ref in ready]:
             ref = pending.pop(w)
             try:
-                results[w] = RayAgent(w, hosts[w], actors[w], int(ray.get(ref)))
+                ray.get(ref)  # the agent's pid: it started (or the actor's error, raised here)
+                results[w] = RayAgent(w, hosts[w], actors[w])
                 on_connected(w)
             except Exception as e:  # noqa: BLE001 - per-host failure is data
                 results[w] = RuntimeError(f"host {hosts[w]}: Ray could not start the agent's actor on node "
-                                          f"{cluster.ray_nodes[w][:12]}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                                          f"{cluster.ray_nodes[w][:12]}: {first_line(e)}")
     for w in pending:
         results[w] = RuntimeError(f"host {hosts[w]}: Ray did not start the agent's actor on node "
                                   f"{cluster.ray_nodes[w][:12]} within {timeout_s:g} s (is the node alive? "

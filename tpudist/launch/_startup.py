@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Collection
 
+import tpudist._coordinator as _coordinator
 from tpudist.launch._preflight import preflight_paths, refusal
 from tpudist.launch._report import version_skew
 from tpudist.launch._transport import AgentHandle, open_agents
@@ -251,7 +252,7 @@ def _bootstrap_for(token: str, preflight: tuple[str, str], address: str | None =
     the launcher's host when agents dial it directly, with the certificate `tls_cert` to trust)."""
     def make(worker: int, host, die_with_parent: bool):
         def line(port: int) -> bytes:
-            target = "" if not address else (f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
+            target = f"{_coordinator._bracket(address)}:{port}" if address else ""
             return Bootstrap(worker=worker, host=host.address, port=port, token=token,
                              die_with_parent=die_with_parent, tpu_devices=preflight[0],
                              libtpu_lockfile=preflight[1], address=target, tls_cert=tls_cert).encode()

@@ -117,7 +117,7 @@ class Supervisor(AgentStartup, EventHandling):
             out = self.config.output
             self.sink = LogSink(out.log_prefix, plan, ranks=out.ranks, log_dir=out.log_dir, verbose=out.verbose)
             self.sink.before_first_line = self.status.stop
-        elif self.dropped or self.config.job.rejoin:
+        else:  # a restart over other hosts (--min-hosts, --rejoin) moves ranks
             self.sink.replan(plan)
         self.attempt = Attempt(plan, number=self.restarts.used)
         self.hangs.restart(time.monotonic())

@@ -43,7 +43,7 @@ class RaySource(ClusterSource):
             try:
                 ray.init(address=options.ray, logging_level="ERROR", log_to_driver=False)
             except Exception as e:  # noqa: BLE001 - Ray's many connection errors, said with the fix
-                raise ValueError(f"--ray {options.ray}: cannot join the Ray cluster: {_first_line(e)}. "
+                raise ValueError(f"--ray {options.ray}: cannot join the Ray cluster: {first_line(e)}. "
                                  "Give the head's address (`ray status` prints it) or ray://HEAD:10001 "
                                  "from outside the cluster") from None
         chosen = choose_nodes(ray.nodes())
@@ -88,7 +88,7 @@ def _my_address(address: str, first_node: str) -> str:
         return s.getsockname()[0]
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 

@@ -307,8 +307,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if step_fn is not None and (mesh is not None or sharding is not None):
         raise ValueError("fit(mesh=, sharding=) configure the fused step; with step_fn= build your step with them")
     rank, count = process_index(), process_count()
-    if checkpoint_dir is not None:  # a restart over fewer hosts (--min-hosts) keeps the global batch
-        accumulate_steps = _resume.resumed_accumulation(checkpoint_dir, count, accumulate_steps, shard, rank)
+    saved = _resume.read_saved(checkpoint_dir) if checkpoint_dir is not None else None
+    if saved is not None:  # a restart over fewer hosts (--min-hosts) keeps the global batch
+        accumulate_steps = _resume.resumed_accumulation(checkpoint_dir, saved, count, accumulate_steps, shard, rank)
     fused = step_fn is None
     step = step_fn if step_fn is not None else _fused_step_for(model, loss_fn, optimizer, accumulate_steps,
                                                                 mesh, sharding)
@@ -316,7 +317,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     if total is not None:
         total //= accumulate_steps
     saver = _resume.Checkpointer(checkpoint_dir, step, optimizer, lr_scheduler, loader,
-                                 _resume.Layout(count, accumulate_steps)) if checkpoint_dir else None
+                                 _resume.Layout(count, accumulate_steps), saved) if checkpoint_dir else None
     scalars = _metrics.ScalarLog(log_dir, rank) if log_dir is not None else None
     tracer = _fit_io.StepProfile.from_settings(log_dir, profile_steps)
     at = (saver.restore() if saver else None) or _resume.Progress()

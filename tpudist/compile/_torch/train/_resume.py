@@ -62,10 +62,18 @@ class Layout:
         return self.processes * self.accumulate
 
 
-def saved_layout(directory: str) -> Layout | None:
-    """The layout of the latest checkpoint in `directory` (None: none, or one saved before layouts
-    were recorded). Read by every process on its own before the step is built: the restart over
-    fewer hosts (--min-hosts) must choose its accumulation from it."""
+@dataclass(frozen=True)
+class Saved:
+    """What the latest checkpoint of a directory says of the run that wrote it, read once by every
+    process on its own before the step is built (a restart over fewer hosts, --min-hosts, chooses
+    its accumulation from it, and reads the per-process rows of another process count whole)."""
+
+    layout: Layout | None  # None: saved before layouts were recorded
+    rows: int | None  # its per-process state's rows (one per device of the run that wrote it)
+
+
+def read_saved(directory: str) -> Saved | None:
+    """The latest checkpoint's `Saved`, or None when the directory holds none."""
     import orbax.checkpoint as ocp
 
     from tpudist import checkpoint
@@ -76,26 +84,27 @@ def saved_layout(directory: str) -> Layout | None:
     item = _item(_path(directory), step)
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        saved = ocp.tree.to_flat_dict(handler.metadata(item).tree)
-        if ("progress", "processes") not in saved:
-            return None
-        want = {"progress": {"processes": 0, "accumulate": 0}}
-        got = handler.restore(item, args=ocp.args.PyTreeRestore(
-            want, restore_args={"progress": {k: ocp.RestoreArgs() for k in want["progress"]}}, partial_restore=True))
+        flat = ocp.tree.to_flat_dict(handler.metadata(item).tree)
+        layout = None
+        if ("progress", "processes") in flat:
+            want = {"progress": {"processes": 0, "accumulate": 0}}
+            got = handler.restore(item, args=ocp.args.PyTreeRestore(
+                want, restore_args={"progress": {k: ocp.RestoreArgs() for k in want["progress"]}},
+                partial_restore=True))["progress"]
+            layout = Layout(int(got["processes"]), int(got["accumulate"]))
     finally:
         handler.close()
-    return Layout(int(got["progress"]["processes"]), int(got["progress"]["accumulate"]))
+    rows = flat.get(("process", "torch_rng"))
+    return Saved(layout, int(rows.shape[0]) if rows is not None else None)
 
 
 def elastic_accumulation(saved: Layout, processes: int, accumulate: int) -> tuple[int, str]:
     """The accumulation steps that keep a checkpoint's global batch on `processes` processes, and
     what to tell the user ("" when nothing changes). The same global batch when the saved batches
     per step split evenly over the processes; else the nearest smaller one, said."""
-    if saved.processes == processes and saved.accumulate == accumulate:
+    if saved.processes == processes:  # the same job, or the user changed accumulate_steps: theirs to choose
         return accumulate, ""
     per_step = saved.batches_per_step
-    if saved.processes == processes:  # the user changed accumulate_steps: theirs to choose
-        return accumulate, ""
     if per_step % processes == 0:
         k = per_step // processes
         return k, (f"fit: the checkpoint was trained by {saved.processes} processes x {saved.accumulate} "
@@ -107,20 +116,21 @@ def elastic_accumulation(saved: Layout, processes: int, accumulate: int) -> tupl
                f"trains on {k * processes} batches (the global batch changes; the learning rate does not)")
 
 
-def resumed_accumulation(checkpoint_dir: str, count: int, accumulate_steps: int, shard: bool, rank: int) -> int:
-    """fit's accumulation steps for a run that resumes a checkpoint saved by another number of
-    processes: as many as keep its global batch (`elastic_accumulation`), said on rank 0."""
+def resumed_accumulation(checkpoint_dir: str, saved: Saved | None, count: int, accumulate_steps: int,
+                         shard: bool, rank: int) -> int:
+    """fit's accumulation steps for a run that resumes `saved`, a checkpoint of `checkpoint_dir` saved by
+    another number of processes: as many as keep its global batch (`elastic_accumulation`), said on rank 0."""
     import sys
-    saved = saved_layout(checkpoint_dir)
-    if saved is None or saved.processes == count:
+    layout = saved.layout if saved is not None else None
+    if layout is None or layout.processes == count:
         return accumulate_steps
     if not shard:
         if rank == 0:
-            print(f"fit: warning: the checkpoint in {checkpoint_dir} was trained by {saved.processes} processes, "
+            print(f"fit: warning: the checkpoint in {checkpoint_dir} was trained by {layout.processes} processes, "
                   f"this run has {count}; with shard=False your loader decides each process's share, so the "
                   "global batch is what it gives (fit(shard=True) keeps the checkpoint's)", file=sys.stderr, flush=True)
         return accumulate_steps
-    accumulate_steps, said = elastic_accumulation(saved, count, accumulate_steps)
+    accumulate_steps, said = elastic_accumulation(layout, count, accumulate_steps)
     if said and rank == 0:
         print(said, file=sys.stderr, flush=True)
     return accumulate_steps
@@ -148,9 +158,9 @@ class Checkpointer:
     """Saves and restores one `fit`'s training state under `directory` (see the module docstring)."""
 
     def __init__(self, directory: str, step: "TrainStep", optimizer: torch.optim.Optimizer, scheduler: Any,
-                 loader: Any, layout: Layout):
+                 loader: Any, layout: Layout, saved: Saved | None):
         self.directory, self.step, self.optimizer, self.scheduler = str(directory), step, optimizer, scheduler
-        self.layout = layout
+        self.layout, self.latest = layout, saved  # this run's layout; the latest checkpoint's, read at the start
         self.generator = loader_generator(loader)
         self.epoch_rng = torch.get_rng_state()
         self.epoch_loader_rng = self.generator.get_state() if self.generator is not None else None
@@ -206,14 +216,14 @@ class Checkpointer:
     def restore(self) -> Progress | None:
         """Puts the latest checkpoint back, if the directory holds one; returns where it stood."""
         from tpudist import checkpoint
-        if checkpoint.latest_step(self.directory) is None:
+        if self.latest is None:
             return None
         like = self.tree(Progress())  # device arrays of the right shapes and shardings
-        rows = self._saved_rows(like["process"]["torch_rng"].shape[0])
+        rows = self.latest.rows if self.latest.rows != like["process"]["torch_rng"].shape[0] else None
         if rows is not None:  # saved by other processes (a restart over fewer hosts): read whole
             like["process"] = {k: np.zeros((rows, v.shape[1]), v.dtype) for k, v in like["process"].items()}
-        saved = saved_layout(self.directory)
-        if saved is None:  # a checkpoint from before layouts were recorded
+        layout = self.latest.layout
+        if layout is None:  # a checkpoint from before layouts were recorded
             del like["progress"]["processes"], like["progress"]["accumulate"]
         saved_at, tree = checkpoint.restore(self.directory, like=like)
         self._saved = saved_at
@@ -222,7 +232,7 @@ class Checkpointer:
             process = {k: _local_row(v) for k, v in tree["process"].items()}
         else:  # this rank's old rows when it had some, else rank 0's: the random streams go on from there
             from tpudist._runtime import process_index
-            per = rows // saved.processes if saved is not None and rows % saved.processes == 0 else rows
+            per = rows // layout.processes if layout is not None and rows % layout.processes == 0 else rows
             row = process_index() * per if process_index() * per < rows else 0
             process = {k: np.asarray(v)[row] for k, v in tree["process"].items()}
         torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(process["torch_rng"]).astype(np.uint8)))
@@ -240,21 +250,6 @@ class Checkpointer:
         progress = tree["progress"]
         log.info("fit: resumed from %s at step %d", self.directory, saved_at)
         return Progress(int(progress["epoch"]), int(progress["position"]), int(progress["global_step"]))
-
-    def _saved_rows(self, rows: int) -> int | None:
-        """The saved per-device rows' count when it is not `rows`, this run's (other processes or devices)."""
-        import orbax.checkpoint as ocp
-
-        from tpudist import checkpoint
-        from tpudist.checkpoint._store import _item, _path
-        step = checkpoint.latest_step(self.directory)
-        handler = ocp.PyTreeCheckpointHandler()
-        try:
-            saved = ocp.tree.to_flat_dict(handler.metadata(_item(_path(self.directory), step)).tree)
-        finally:
-            handler.close()
-        have = saved.get(("process", "torch_rng"))
-        return None if have is None or int(have.shape[0]) == rows else int(have.shape[0])
 
     def replay_epoch_start(self) -> None:
         """Resets the generators to the resumed epoch's start, so its shuffle is drawn again; the
