@@ -56,12 +56,20 @@ def _configure_jax(job: contract.JobEnv) -> None:
         jax.config.update("jax_platforms", job.platform)
     if job.world_size > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    directory = cache_dir()
+    use_compilation_cache()
+
+
+def use_compilation_cache(directory: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache in `directory` (default: `cache_dir()`);
+    returns the directory, or None where `TPUDIST_CACHE_DIR=off`. `init()` calls it."""
+    import jax
+    directory = directory or cache_dir()
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         # Collectives are small programs: cache them too, not just the slow compiles.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
 
 
 def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv:

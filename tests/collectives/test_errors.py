@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -178,25 +179,32 @@ def test_missing_peer_times_out_naming_the_rank(mismatch):
     assert 6 <= mismatch[0]["missing_seconds"] < 30
 
 
-def cached_then_missing(collective: str) -> tuple | None:
+def cached_then_missing(collective: str, done: str) -> tuple | None:
     x = np.ones(4, np.float32)
     call = {"all_reduce": tpudist.all_reduce, "reduce_scatter": tpudist.reduce_scatter,
             "all_gather": tpudist.all_gather}[collective]
     call(x)  # compiled and checked once; the next call runs without the check
     if tpudist.process_index() == 1:
-        time.sleep(20)  # alive but never calling: rank 0 must time out, not see a closed socket
+        # alive but never calling until rank 0 is done: it must time out, not see a closed socket
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
-    start = time.monotonic()
-    timed_out = _error(lambda: call(x))
-    seconds = time.monotonic() - start
-    return timed_out, seconds, _error(lambda: call(x))
+    try:
+        start = time.monotonic()
+        timed_out = _error(lambda: call(x))
+        seconds = time.monotonic() - start
+        return timed_out, seconds, _error(lambda: call(x))
+    finally:
+        open(done, "w").close()
 
 
 # reduce_scatter: gloo's own reduce-scatter ignores the collective timeout (jax#40831).
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
-def test_missing_peer_on_a_cached_collective_times_out_and_later_calls_refuse(collective):
+def test_missing_peer_on_a_cached_collective_times_out_and_later_calls_refuse(collective, tmp_path):
     (kind, message), seconds, (after_kind, after) = run_on_mesh(
-        cached_then_missing, nprocs=2, kwargs={"collective": collective}, timeout=300,
+        cached_then_missing, nprocs=2, kwargs={"collective": collective, "done": str(tmp_path / "done")},
+        timeout=300,
         env={"TPUDIST_COLLECTIVE_TIMEOUT": "5"})[0]
     assert kind == "CollectiveTimeout", message
     assert f"{collective} (collective #2) timed out after " in message and "ranks [1] did not arrive" in message

@@ -186,6 +186,7 @@ def test_dynamo_graphs_scan_their_layers_too():
 EXIT_SCRIPT = """
 import torch, transformers
 import tpudist
+tpudist.init()  # the persistent compilation cache: the later runs skip XLA's compile, not the step
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=12, n_head=2,
                                                              n_positions=32))
 ids = torch.randint(0, 64, (4, 8))

@@ -62,6 +62,9 @@ def _write_docs(table: dict[str, dict[str, str]]) -> None:
 
 def _start_worker(path: str) -> None:
     sys.path.insert(0, path)
+    if os.environ.get("TPUDIST_CACHE_DIR"):  # the suite's compilation cache (tests/conftest.py)
+        from tpudist._runtime import use_compilation_cache
+        use_compilation_cache()
 
 
 def _check(name: str) -> dict[str, str]:
