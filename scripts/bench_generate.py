@@ -5,6 +5,7 @@ throughput, one device and tensor-parallel over 4, against eager torch and a han
     python scripts/bench_generate.py --quick          # a tiny smoke configuration (well under 2 min)
     python scripts/bench_generate.py --models llama --batches 1 8 --new-tokens 16 --out /tmp/g.json
     python scripts/bench_generate.py --torch-threads 0   # torch's own threads
+    JAX_PLATFORMS=tpu,cpu JAX_DEFAULT_MATMUL_PRECISION=highest python scripts/bench_generate.py --skip-tp  # a TPU
 
 Two `transformers` models built from small configs with random weights (seeded, `.eval()`):
 `LlamaForCausalLM` (RMSNorm, rotary, grouped-query attention, SwiGLU) and `GPT2LMHeadModel`
@@ -15,8 +16,11 @@ default (TORCH_THREADS below says why). Contenders:
 - tpudist: `model.forward = torch.compile(model.forward, backend="tpudist")`, then
   `model.generate(..., cache_implementation="static", max_cache_len=L)`: one device (JAX's default).
   The static KV cache stays on the device between decode calls.
-- tpudist_tp4: the same after `tpudist.parallelize(model, make_mesh({"model": 4}), "llama"/"gpt2")`,
-  in 2 processes x 2 CPU devices (`tpudist.testing.run_on_mesh`); rank 0's times.
+- tpudist_generate: `tpudist.generate(model, prompts, buckets=(prompt,), batch_size=B)` on the
+  same model (one device): greedy decoding with its decode steps inside one XLA loop (no host round
+  trip per token, no Hugging Face loop); the prefill and first step as compiled calls.
+- tpudist_tp4 / tpudist_generate_tp4: tpudist / tpudist_generate after
+  `tpudist.parallelize(model, make_mesh({"model": 4}), "llama"/"gpt2")`, in 2 processes x 2 CPU devices (`tpudist.testing.run_on_mesh`); rank 0's times.
 - eager_static / eager_dynamic: eager torch, `cache_implementation="static"` / the default DynamicCache.
 - hf_loop: Hugging Face's `generate()` loop alone, on the same model and static cache but with a
   forward that computes nothing (it returns zero logits): what torch and transformers cost per token
@@ -71,9 +75,10 @@ from typing import Any
 
 import _bench
 
-CONTENDERS = ("tpudist", "tpudist_tp4", "eager_static", "eager_dynamic", "hf_loop", "jax_floor", "jax_floor_tp4")
+CONTENDERS = ("tpudist", "tpudist_generate", "tpudist_tp4", "tpudist_generate_tp4", "eager_static", "eager_dynamic",
+              "hf_loop", "jax_floor", "jax_floor_tp4")
 UNCHECKED = ("hf_loop",)  # its forward computes nothing: no tokens or logits to compare
-TP_SIDES = ("tpudist_tp4", "jax_floor_tp4")  # the tensor-parallel run's contenders; the second is its floor
+TP_SIDES = ("tpudist_tp4", "tpudist_generate_tp4", "jax_floor_tp4")  # the tensor-parallel run's; the last is its floor
 TP_DEVICES, TP_PROCESSES = 4, 2
 TP_TIMEOUT_S = 1800.0
 DEFAULT_OUT = Path("docs/bench/generate.json")
@@ -164,6 +169,31 @@ def generate(model: Any, ids: Any, new_tokens: int, cache_len: int | None, cache
     out = out[:, ids.shape[1]:]
     if out.shape[1] != new_tokens:
         raise RuntimeError(f"generate returned {out.shape[1]} new tokens, not {new_tokens}")
+    return out
+
+
+def register_backend() -> None:
+    """`backend="tpudist"` where tpudist is not pip-installed (a source checkout on PYTHONPATH has
+    no entry point naming it): registered by hand."""
+    from torch._dynamo import list_backends, register_backend as register
+    if "tpudist" not in list_backends(exclude_tags=()):
+        from tpudist.compile._torch.module._dynamo import backend
+        register(backend, name="tpudist")
+
+
+def device_loop(model: Any, ids: Any, new_tokens: int, cache_len: int) -> Any:
+    """`new_tokens` greedy tokens after `ids` through `tpudist.generate` (one bucket: the prompt's
+    length; the cache as long as `generate`'s above), (batch, new_tokens)."""
+    import torch
+    import tpudist
+    replies = tpudist.generate(model, list(ids), max_new_tokens=new_tokens, buckets=(ids.shape[1],),
+                               batch_size=ids.shape[0], cache_len=cache_len, pad_token_id=0, log=False,
+                               progress=False)
+    if tpudist.generate_stats().loop != "device":
+        raise SystemExit(f"tpudist.generate did not decode on the device: {tpudist.generate_stats().why}")
+    out = torch.zeros((ids.shape[0], new_tokens), dtype=torch.long)  # the trailing pad tokens it strips: 0
+    for row, reply in enumerate(replies):
+        out[row, :len(reply)] = torch.tensor(reply, dtype=torch.long)
     return out
 
 
@@ -396,6 +426,7 @@ def tp_rank(models: list[str], setup: dict[str, Any]) -> dict[str, Any]:
     from transformers import StaticCache
     if setup["torch_threads"]:
         torch.set_num_threads(setup["torch_threads"])
+    register_backend()
     mesh = tpudist.mesh.make_mesh({"model": TP_DEVICES})
     out = {}
     for name in models:
@@ -410,6 +441,8 @@ def tp_rank(models: list[str], setup: dict[str, Any]) -> dict[str, Any]:
         for batch in setup["tp_batches"]:
             ids = prompt(batch, setup["prompt"], setup["sizes"][name]["vocab"])
             runs = {"tpudist_tp4": partial(lambda n, ids: generate(model, ids, n, setup["cache_len"]), ids=ids),
+                    "tpudist_generate_tp4": partial(lambda n, ids: device_loop(model, ids, n, setup["cache_len"]),
+                                                    ids=ids),
                     "jax_floor_tp4": partial(lambda n, ids: torch.from_numpy(floor.generate(ids, n)), ids=ids)}
             times, last = time_generation(runs, setup["new_tokens"], setup["rounds"], tpudist_captures)
             row["times"][batch] = times
@@ -468,6 +501,7 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
     eager = build(name, sizes, cache_len)
     compiled = build(name, sizes, cache_len)
     compiled.forward = torch.compile(compiled.forward, backend="tpudist")
+    looped = build(name, sizes, cache_len)  # tpudist.generate's own decode loop
     loop = loop_only(name, sizes, cache_len)
     floor = Floor(eager, cache_len)
     floor_ok = check_floor(name, eager, floor, sizes["vocab"])
@@ -477,6 +511,7 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
         runs = {"tpudist": lambda n: generate(compiled, ids, n, cache_len),
                 "eager_static": lambda n: generate(eager, ids, n, cache_len),
                 "eager_dynamic": lambda n: generate(eager, ids, n, None),
+                "tpudist_generate": lambda n: device_loop(looped, ids, n, cache_len),
                 "hf_loop": lambda n: generate(loop, ids, n, cache_len),
                 "jax_floor": lambda n: torch.from_numpy(floor.generate(ids, n))}
         result["times"][batch], last = time_generation(runs, new_tokens, setup["rounds"], tpudist_captures)
@@ -514,7 +549,8 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
         for side in TP_SIDES:
             times[side] = {b: tp["times"][b][side] for b in tp["times"]}
             tokens[side] = {b: tp["tokens"][b][side] for b in tp["tokens"]}
-            logits[side] = tp["logits"][side]
+            if side in tp["logits"]:  # (tpudist_generate_tp4 returns tokens only)
+                logits[side] = tp["logits"][side]
     whole = here["memory"]
     rows = []
     for side in (c for c in CONTENDERS if c in times):
@@ -534,7 +570,7 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
             floor = "jax_floor_tp4" if side in TP_SIDES else "jax_floor"  # each against the floor of its layout
             row[f"over_floor_b{b}"] = ratio(ms, times[floor][b]["decode_ms"]) if here["floor_ok"] else None
             row[f"over_eager_static_b{b}"] = ratio(ms, times["eager_static"][b]["decode_ms"])
-            if side == "tpudist" and here["floor_ok"]:  # the floor any backend under generate() has
+            if side == "tpudist" and here["floor_ok"]:  # the floor any backend under HF's generate() has
                 row[f"over_floor_loop_b{b}"] = ratio(ms, times["jax_floor"][b]["decode_ms"]
                                                      + times["hf_loop"][b]["decode_ms"])
             row[f"samples_s_b{b}"] = times[side][b]["samples_s"]
@@ -607,7 +643,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CPU mesh; on an accelerator say JAX_PLATFORMS=tpu,cpu
     import jax
     import torch
     import transformers
@@ -619,6 +655,7 @@ def main() -> None:
     out = _bench.Output(args.out, plot=False)
     about = {"torch": torch.__version__, "transformers": transformers.__version__, "jax": jax.__version__,
              "torch_threads": torch.get_num_threads(), "jax_devices": [str(d) for d in jax.devices()]}
+    register_backend()
     here, phases = {}, {}
     for name in args.models:
         began = time.perf_counter()

@@ -93,7 +93,7 @@ def sharded_generation(kind: str) -> dict:
     tokens = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache)
     memory = tpudist.layout(model).memory()
     replies = tpudist.generate(model, requests, buckets=(8, 16), batch_size=4, max_new_tokens=5)
-    return {"logits": logits.numpy(), "want_logits": want_logits.numpy(), "exact": want_logits64.numpy(),
+    return {"loop": tpudist.generate_stats().loop, "logits": logits.numpy(), "want_logits": want_logits.numpy(), "exact": want_logits64.numpy(),
             "tokens": tokens.tolist(), "want_tokens": want_tokens.tolist(), "replies": replies,
             "want_replies": want_replies, "memory": memory, "shardings": tpudist.layout(model).shardings(),
             "sizes": {n: p.numel() * p.element_size() for n, p in model.named_parameters()}}
@@ -109,7 +109,7 @@ def test_a_tensor_parallel_model_across_processes_generates_the_tokens_of_eager_
         assert_as_accurate_as_eager({"logits": result["logits"]}, {"logits": result["want_logits"]},
                                     {"logits": result["exact"]})
         assert result["tokens"] == result["want_tokens"]
-        assert result["replies"] == result["want_replies"]
+        assert result["replies"] == result["want_replies"] and result["loop"] == "device"
         split = sum(size // 4 if "model" in tuple(result["shardings"][name]) else size
                     for name, size in result["sizes"].items())
         assert result["memory"]["parameters"] == split
@@ -122,8 +122,9 @@ def test_a_tensor_parallel_model_across_processes_generates_the_tokens_of_eager_
 @pytest.mark.tpudist(nprocs=1, cpu_devices=2)
 def test_requests_of_mixed_lengths_compile_once_per_bucket_and_sampling_is_seeded():
     """100 requests of lengths 1..30 in buckets of 8, 16 and 32: the prefill and decode graphs are
-    captured and compiled a bounded number of times per bucket, not per request or token; replies
-    equal eager torch's; sampling with the same seed gives the same replies, another seed others."""
+    captured and compiled a bounded number of times per bucket, not per request or token, and the
+    greedy decode loop on the mesh at most once per bucket; replies equal eager torch's; sampling
+    with the same seed gives the same replies, another seed others."""
     eager, model = tiny("llama"), tiny("llama")
     buckets = (8, 16, 32)
     requests = prompts(100, 30)
@@ -134,6 +135,8 @@ def test_requests_of_mixed_lengths_compile_once_per_bucket_and_sampling_is_seede
     assert stats.captures <= 2 * len(buckets) + 2, stats
     assert stats.executables <= 2 * stats.captures, stats  # a written cache's layout is learned once per graph
     assert tpudist.generate_stats().batches == 13 and tpudist.generate_stats().requests == 100
+    assert tpudist.generate_stats().loop == "device", tpudist.generate_stats().why  # laid out: the loop on the mesh
+    assert 1 <= tpudist.generate_stats().loop_executables <= len(buckets)
     sample = list(range(0, 100, 9))
     want = eager_replies(eager, [requests[i] for i in sample], buckets, 8, 3)
     # the eager batches of the sample differ from generate's: compare each reply, not the batching
@@ -143,9 +146,12 @@ def test_requests_of_mixed_lengths_compile_once_per_bucket_and_sampling_is_seede
         torch.manual_seed(seed)
         return tpudist.generate(model, requests[:8], buckets=buckets, batch_size=8, max_new_tokens=3,
                                 do_sample=True, top_k=0)
-    first, again, other = sampled(0), sampled(0), sampled(1)
+    first = sampled(0)
+    assert tpudist.generate_stats().loop == "generate"  # sampling: Hugging Face's loop
+    captured = tpudist.dynamo_stats().captures
+    again, other = sampled(0), sampled(1)
     assert first == again and first != other
-    assert tpudist.dynamo_stats().captures == stats.captures  # sampling reuses the compiled graphs
+    assert tpudist.dynamo_stats().captures == captured  # later sampling calls reuse the compiled graphs
 
 
 @pytest.mark.tpudist(nprocs=1, cpu_devices=2)
@@ -257,3 +263,30 @@ def test_one_device_generation_keeps_torchs_cache_current_by_what_each_token_wro
         assert_as_accurate_as_eager({f"keys {i}": mine.keys, f"values {i}": mine.values},
                                     {f"keys {i}": theirs.keys, f"values {i}": theirs.values},
                                     {f"keys {i}": truth.keys, f"values {i}": truth.values})
+
+
+@pytest.mark.tpudist(nprocs=1, cpu_devices=1)
+def test_greedy_generation_on_one_device_decodes_inside_one_xla_loop_with_eager_torchs_tokens():
+    """Issue 41's decode latency: tpudist.generate on one device runs its greedy decode steps inside
+    one XLA loop (no host round trip per token). Replies equal eager torch's for requests of mixed
+    lengths (left padding), also where an end-of-sequence token stops some of them early; one loop
+    executable serves every bucket; sampling still goes through Hugging Face's loop."""
+    buckets = (8, 16)
+    requests = prompts(12, 16, seed=3)
+    for kind in ("llama", "gpt2"):
+        eager, model = tiny(kind), tiny(kind)
+        plain = eager_replies(eager, requests, buckets, 4, 6)
+        # an end-of-sequence token that some replies reach before their last token
+        reply = next(r for r in plain if len(r) == 6 and r[3] not in r[:3] and r[3] != 0)
+        for m in (eager, model):
+            m.generation_config.eos_token_id = reply[3]
+        want = eager_replies(eager, requests, buckets, 4, 6)
+        replies = tpudist.generate(model, requests, buckets=buckets, batch_size=4, max_new_tokens=6)
+        stats = tpudist.generate_stats()
+        assert stats.loop == "device", (kind, stats.why)
+        assert replies == want, kind
+        assert any(len(r) < 6 and r[-1] == reply[3] for r in replies), kind  # stopped early at the token
+        assert 1 <= stats.loop_executables <= len(buckets), (kind, stats)
+        torch.manual_seed(0)
+        tpudist.generate(model, requests[:2], buckets=buckets, batch_size=2, max_new_tokens=2, do_sample=True)
+        assert tpudist.generate_stats().loop == "generate" and "do_sample" in tpudist.generate_stats().why

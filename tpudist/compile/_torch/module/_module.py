@@ -54,6 +54,7 @@ class CompiledModule(torch.nn.Module):
         self._keyed: list[int] | None = None  # the other positions, the only ones in the cache key
         self._stats = TorchCompileStats()
         self._programs: dict[Any, Program] = {}
+        self.last_program: Program | None = None  # the program of the latest call
         self._submodules = list(module.modules())
 
     @property
@@ -95,6 +96,7 @@ class CompiledModule(torch.nn.Module):
             stats.capture_seconds += captured.seconds
         else:
             stats.cache_hits += 1
+        self.last_program = program
         return program(leaves)
 
     def __getattr__(self, name: str) -> Any:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, where
+from tpudist.compile._torch._convert import ViewCache, Where, jax_dtype, to_jax, to_torch, where
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured, resolver
 from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
@@ -129,6 +129,72 @@ class Program:
             slot = self.captured.outputs[i]
             outputs[i] = value if i in keep or slot.dtype is None else to_torch(value, slot.dtype)
         return self._finish(outputs, leaves, tensors, place)
+
+    # -- the graph inside another program (serve/_decode: a decode loop on the device) ------------
+
+    @property
+    def written(self) -> dict[int, int]:
+        """Output position -> input position of each input the graph writes (a KV cache)."""
+        return dict(self._written)
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout of the module's tensors over a mesh, if any (known after the first call)."""
+        return self._layout or None
+
+    @property
+    def infer(self) -> Any:
+        """The graph as a JAX function: (input arrays in slot order, None) -> its outputs, no gradients."""
+        return self._executables._infer
+
+    def long_lived(self, position: int) -> bool:
+        """Whether the input at `position` is a parameter, buffer or constant the graph only reads."""
+        return self._long_lived[position]
+
+    def slot_tensors(self, leaves: list[Any]) -> list[torch.Tensor]:
+        """The tensor of each input position for a call with the flat inputs `leaves`."""
+        return [resolve(leaves) for resolve in self._resolve]
+
+    def array_dtype(self, position: int, tensor: torch.Tensor) -> Any:
+        """The dtype of the input array at `position` for `tensor` (the bridge narrows int64 to int32)."""
+        del position
+        return jax_dtype(tensor.dtype)
+
+    def loop_arrays(self, leaves: list[Any], device: Any, written: list[int]) -> tuple[list[Any], list[jax.Array]]:
+        """The input arrays of a call with `leaves` on `device` (or over the program's layout): the
+        read-only ones as a call makes them (views of torch's tensors where it can see the device;
+        the layout's arrays), and the inputs at `written` separately, None at their positions: the
+        arrays this program keeps for them on the devices (handed over: the caller's loop donates
+        them, so torch's tensors are what the caller must not read again), or copies of torch's
+        tensors."""
+        tensors = self.slot_tensors(leaves)
+        layout = self._layout
+        if layout:
+            gone = set(written)
+            arrays = [None if i in gone else layout.array(t) for i, t in enumerate(tensors)]
+            arrays = [a if a is not None or i in gone else layout.put(tensors[i].detach())
+                      for i, a in enumerate(arrays)]
+            carried = []
+            for i in written:
+                kept = self._resident.get(i, tensors[i], layout)
+                self._resident.drop(i)
+                carried.append(kept if kept is not None else layout.put(
+                    tensors[i].detach(), self._executables.laid_out.resident_spec(i)))
+            return arrays, carried
+        arrays: list[Any] = [None] * len(tensors)
+        if self._long:
+            for i, array in zip(self._long, self._views.get_all(self._long, [tensors[i] for i in self._long], device)):
+                arrays[i] = array
+        gone = set(written)
+        for i in self._short:
+            if i not in gone:
+                arrays[i] = to_jax(tensors[i], device=device)
+        carried = []
+        for i in written:
+            kept = self._resident.get(i, tensors[i], device)
+            self._resident.drop(i)
+            carried.append(kept if kept is not None else to_jax(tensors[i], copy=True, device=device))
+        return arrays, carried
 
     def _find_layout(self, tensors: list[torch.Tensor]) -> Layout | None:
         """The layout (tpudist.parallelize) of the module's parameters and buffers, if any."""

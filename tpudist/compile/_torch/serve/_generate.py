@@ -12,12 +12,19 @@ installed on the model once) with a static KV cache of one size for every bucket
 (`max(buckets) + max_new_tokens`): the decode step compiles once per bucket (the prefill too),
 whatever the number of requests; the cache stays on the devices between tokens (split over heads
 under tensor parallelism). Replies come back in the order of the requests.
+
+Greedy decoding of a decoder-only model (the default generation settings; laid out or not) skips
+`generate`'s Python loop: the decode steps run inside one XLA program (`_decode`; one serves every
+bucket), with the same tokens. Anything else (sampling, beams, logits processors the model's generation config turns
+on, an encoder-decoder) goes through `model.generate`; `generate_stats().loop` says
+which ran.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,17 +32,21 @@ from typing import Any
 import torch
 
 from tpudist.compile._torch._layout import capturing
+from tpudist.compile._torch.serve._decode import DecodeLoop
 
 
 @dataclass
 class GenerateStats:
-    """What the last `tpudist.generate` call did: requests, new tokens, calls of `model.generate`
-    (one per batch), seconds in all, and tokens per second."""
+    """What the last `tpudist.generate` call did: requests, new tokens, batches (one `model.generate`
+    call or one device loop each), seconds in all, tokens per second, and which loop decoded."""
 
     requests: int = 0
     tokens: int = 0
     batches: int = 0
     seconds: float = 0.0
+    loop: str = ""  # "device": greedy decode steps inside one XLA program; "generate": Hugging Face's loop
+    why: str = ""  # why Hugging Face's loop ran, where it did
+    loop_executables: int = 0  # XLA executables of the device loop compiled so far for this model
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,17 +58,21 @@ last_stats = GenerateStats()
 
 def generate(model: torch.nn.Module, prompts: Iterable[Sequence[int] | torch.Tensor], *, max_new_tokens: int = 32,
              buckets: Sequence[int] = (32, 128, 512), batch_size: int = 8, pad_token_id: int | None = None,
-             progress: bool | None = None, log: bool = True, **generate_kwargs: Any) -> list[list[int]]:
+             cache_len: int | None = None, progress: bool | None = None, log: bool = True,
+             **generate_kwargs: Any) -> list[list[int]]:
     """Generates a reply to each prompt (a sequence of token ids) with `model.generate` (a Hugging
     Face model), batched and padded to `buckets` (see the module docstring); returns the new token
     ids of each, in the order of `prompts`, without padding (a reply that ends with the end-of-
     sequence token keeps it).
 
-    Greedy by default; sampling arguments (`do_sample=True, top_k=..., temperature=...`) and the
-    rest of `generate`'s go through `generate_kwargs`: seed torch (`torch.manual_seed`) for
+    Greedy by default, decoded inside one XLA loop on the device where the model allows (see the
+    module docstring; `generate_stats().loop`); sampling arguments (`do_sample=True, top_k=...,
+    temperature=...`) and the rest of `generate`'s go through `generate_kwargs`: seed torch (`torch.manual_seed`) for
     reproducible samples. Under the launcher every process passes the same prompts: a laid-out
     model's mesh runs one program, and each process gets every reply. Progress (rank 0, as `fit`
     shows it) and a final line with tokens/s; `tpudist.generate_stats()` returns the counters.
+    `cache_len`: the static cache's length (default `max(buckets) + max_new_tokens`); one length for
+    calls with different `max_new_tokens` keeps their compiled steps shared.
 
         replies = tpudist.generate(model, [[1, 15, 27], [1, 9]], max_new_tokens=16)
     """
@@ -78,12 +93,24 @@ def generate(model: torch.nn.Module, prompts: Iterable[Sequence[int] | torch.Ten
         if len(ids) > buckets[-1]:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, more than the largest bucket ({buckets[-1]}); add "
                              f"a bucket of at least {len(ids)} (buckets={tuple(buckets)})")
+    if cache_len is None:
+        cache_len = buckets[-1] + max_new_tokens
+    elif not isinstance(cache_len, int) or cache_len < buckets[-1] + max_new_tokens:
+        raise ValueError(f"cache_len={cache_len!r} cannot hold the largest bucket ({buckets[-1]}) and max_new_tokens="
+                         f"{max_new_tokens}: give at least {buckets[-1] + max_new_tokens}, or leave it out")
     pad = _pad_id(model, pad_token_id)
-    _compiled_forward(model)
-    cache_len = buckets[-1] + max_new_tokens
+    why = _hugging_face_loop(model, generate_kwargs)
+    decode = None
+    if why:
+        _compiled_forward(model)
+    else:
+        decode = _decode_loops.get(model)
+        if decode is None:
+            decode = _decode_loops[model] = DecodeLoop(model)
+    eos = _eos_ids(model)
     order = sorted(range(len(requests)), key=lambda i: len(requests[i]))
     replies: list[list[int]] = [[] for _ in requests]
-    stats = GenerateStats(requests=len(requests))
+    stats = GenerateStats(requests=len(requests), why=why)
     bar = _Bar(progress, log, len(requests))
     start = time.perf_counter()
     for first in range(0, len(order), batch_size):
@@ -98,20 +125,60 @@ def generate(model: torch.nn.Module, prompts: Iterable[Sequence[int] | torch.Ten
         # a model initialised on the devices (parallelize on the meta device): dynamo traces its
         # placeholders as the plain tensors they are (their values are the layout's arrays)
         with capturing(model.parameters()):
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 cache_implementation="static", cache_config={"max_cache_len": cache_len},
-                                 **generate_kwargs)
-        new = out[:, bucket:].tolist()
+            if decode is not None:
+                new = decode.run(ids, mask, max_new_tokens, cache_len, pad, eos).tolist()
+            else:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                     cache_implementation="static", cache_config={"max_cache_len": cache_len},
+                                     **generate_kwargs)
+                new = out[:, bucket:].tolist()
         for row, i in enumerate(chosen):
-            replies[i] = _strip(new[row], pad, _eos_ids(model))
+            replies[i] = _strip(new[row], pad, eos)
             stats.tokens += len(replies[i])
         stats.batches += 1
         bar.advance(len(chosen), stats.tokens, time.perf_counter() - start)
     stats.seconds = time.perf_counter() - start
+    if decode is not None:
+        stats.loop = "device" if decode.on_device else "generate"
+        stats.why = "" if decode.on_device else ("the decode step is not one graph on one device (a graph break, "
+                                                 "random numbers, or an input that changes per token)")
+        stats.loop_executables = decode.executables
+    else:
+        stats.loop = "generate"
     global last_stats
     last_stats = stats
     bar.close(stats)
     return replies
+
+
+# generation settings that leave greedy tokens as they are (the rest: Hugging Face's loop)
+_GREEDY_NEUTRAL = {"use_cache", "output_attentions", "output_hidden_states", "output_scores", "output_logits",
+                   "return_dict_in_generate", "bos_token_id", "eos_token_id", "pad_token_id", "_from_model_config",
+                   "transformers_version", "max_length", "max_new_tokens", "cache_implementation", "cache_config",
+                   "compile_config", "do_sample", "num_beams",
+                   # sampling's own settings, which greedy decoding ignores
+                   "temperature", "top_k", "top_p", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"}
+# each model's DecodeLoop (its compiled steps), as long as the model lives (the loop holds it weakly)
+_decode_loops: weakref.WeakKeyDictionary[torch.nn.Module, DecodeLoop] = weakref.WeakKeyDictionary()
+
+
+def _hugging_face_loop(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
+    """Why this call decodes through `model.generate` rather than the device loop ("": it need not)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    extra = sorted(k for k, v in kwargs.items() if not (k == "do_sample" and v is False or k == "num_beams" and v == 1))
+    if extra:
+        return f"generate arguments {extra}"
+    generation = getattr(model, "generation_config", None)
+    if generation is None:
+        return "no generation_config"
+    if generation.do_sample or (generation.num_beams or 1) != 1:
+        return "the generation config samples or searches beams"
+    changed = sorted(set(generation.to_diff_dict()) - _GREEDY_NEUTRAL)
+    if changed:
+        return f"the generation config sets {changed}"
+    return ""
 
 
 def generate_stats() -> GenerateStats:

@@ -1,0 +1,253 @@
+"""Greedy decoding on the device: `tpudist.generate`'s decode loop as one XLA program.
+
+Hugging Face's `generate()` runs its loop in Python: per token, dynamo's guards, the compiled
+call, the logits read back, the argmax and the mask update on the host. At small batches that host
+round trip is most of a token. Here the prefill and the first decode step run as compiled calls
+(`torch.compile(backend="tpudist")` of one forward with a static KV cache, as `generate` would make
+them), and the remaining tokens run inside one `jax.lax.while_loop` around the decode step's own
+lowered graph: the argmax, the attention mask, the positions and the cache stay on the device, and
+the host reads the tokens once, at the end.
+
+The step is the model's forward as `generate` calls it for a decoder-only model with a static cache:
+`input_ids`, a 2-D attention mask over the whole cache (1 for the prompt's tokens and each token fed
+so far), `position_ids` counted over that mask as `prepare_inputs_for_generation` counts them
+(left padding), `cache_position` and the cache. Rows that produced an end-of-sequence token then get
+`pad` tokens, as `generate` gives them. Greedy tokens equal `generate`'s (tested against eager torch).
+
+A model laid out over a mesh (`tpudist.parallelize`, processes included) runs the same loop over
+its mesh: the weights and the cache as the layout splits them, the rest replicated, every process
+running the one program and reading the same tokens.
+
+Where the decode step cannot run inside the loop (a graph break, random numbers in the graph, an
+input of the step that changes per token and is not one of the above), the same compiled step runs
+token by token from Python instead: slower, never different.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpudist.compile._torch._convert import to_jax, where
+from tpudist.compile._torch.module._laid_out import whole
+from tpudist.compile._torch.module._module import CompiledModule
+
+
+@dataclass
+class _Graph:
+    """One graph dynamo handed over for the step, and the flat inputs of its latest call."""
+
+    module: CompiledModule
+    calls: int = 0
+    last: tuple = ()
+
+
+@dataclass
+class _Loop:
+    """The decode step's lowered graph inside a while loop: the slots it feeds per token."""
+
+    jitted: Any
+    roles: dict[str, int]  # "ids", "mask", "position_ids", "cache_position" -> input position
+    carried: list[tuple[int, int]]  # (output, input) of each input the graph writes (the cache)
+    logits: int  # the output position of the last token's logits
+    calls: int = field(default=0)
+
+
+class DecodeLoop:
+    """Greedy generation for one decoder-only Hugging Face model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = weakref.ref(model)  # tpudist.generate keeps one loop per model while the model lives
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_name = "cache" if "cache" in parameters else "past_key_values"  # transformers 5.25 renamed it
+        self._position_ids = "position_ids" in parameters
+        self._cache_position = "cache_position" in parameters
+        self._graphs: list[_Graph] = []
+        # by id of the decode graph's program: (that program, its loop or None where it runs from Python)
+        self._loops: dict[int, tuple[Any, _Loop | None]] = {}
+        self.executables = 0  # loop executables compiled
+        self.on_device = True  # whether the last batch's decode ran inside the loop
+        from tpudist.compile._torch.module._dynamo import backend
+        self._backend = backend
+        self._step = torch.compile(self._forward, backend=self._record, dynamic=False)
+
+    # -- the compiled step ---------------------------------------------------------------------
+
+    def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache_position: torch.Tensor, cache: Any) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, self._cache_name: cache,
+                                  "use_cache": True}
+        if self._position_ids:
+            kwargs["position_ids"] = position_ids
+        if self._cache_position:
+            kwargs["cache_position"] = cache_position
+        # a forward the user compiled already (Hugging Face's recipe): its own Python, traced here
+        forward = getattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable", model)
+        return forward(**kwargs).logits[:, -1, :]
+
+    def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        forward = self._backend(gm, example_inputs)
+        graph = _Graph(forward.__self__)
+        self._graphs.append(graph)
+
+        def call(*args: Any) -> Any:
+            graph.calls += 1
+            graph.last = args
+            return forward(*args)
+        return call
+
+    # -- one batch -----------------------------------------------------------------------------
+
+    def run(self, ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int, cache_len: int, pad: int,
+            eos: set[int]) -> torch.Tensor:
+        """The `new_tokens` greedy tokens after each row of `ids` (left-padded, `prompt_mask` 0 at the
+        padding): (batch, new_tokens), `pad` after a row's end-of-sequence token."""
+        from transformers import StaticCache
+        batch, length = ids.shape
+        model = self._model()
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)  # this batch's alone
+        mask = torch.zeros((batch, cache_len), dtype=torch.long)
+        mask[:, :length] = prompt_mask
+        eos_ids = torch.tensor(sorted(eos), dtype=torch.long)
+        done = torch.zeros(batch, dtype=torch.bool)
+        tokens: list[torch.Tensor] = []
+        self.on_device = True
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            nonlocal done
+            token = logits.argmax(-1).masked_fill(done, pad)
+            done = done | torch.isin(token, eos_ids)
+            tokens.append(token)
+            return token[:, None]
+
+        with torch.no_grad():
+            position_ids = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+            token = pick(self._step(model, ids, mask, position_ids, torch.arange(length), cache))
+            position = length
+            if new_tokens > 1 and not done.all():
+                mask[:, position] = 1
+                step_ids, position_ids, cache_position = token, mask.sum(-1, keepdim=True) - 1, torch.tensor([position])
+                before = [g.calls for g in self._graphs]
+                token = pick(self._step(model, step_ids, mask, position_ids, cache_position, cache))
+                position += 1
+                called = [g for g, n in zip(self._graphs, before) if g.calls != n] + self._graphs[len(before):]
+                leaves = [g.last for g in called]
+                for graph in self._graphs:
+                    graph.last = ()  # the flat inputs hold the cache: not kept past this batch
+                rest = new_tokens - 2
+                loop = self._loop_of(called, leaves, {"ids": step_ids, "mask": mask, "position_ids": position_ids,
+                                                      "cache_position": cache_position}) if rest > 0 else None
+                self.on_device = loop is not None or rest <= 0
+                if loop is not None and not done.all():
+                    tokens.extend(self._run_loop(loop, called[0], leaves[0], token, mask, done, position, rest,
+                                                 pad, eos))
+                else:
+                    for _ in range(rest):
+                        if done.all():
+                            break
+                        mask[:, position] = 1
+                        token = pick(self._step(model, token, mask, mask.sum(-1, keepdim=True) - 1,
+                                                torch.tensor([position]), cache))
+                        position += 1
+        out = torch.full((batch, new_tokens), pad, dtype=torch.long)
+        joined = torch.stack(tokens, 1)[:, :new_tokens]
+        out[:, :joined.shape[1]] = joined
+        return out
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop_of(self, called: list[_Graph], leaves: list[tuple], known: dict[str, torch.Tensor]) -> _Loop | None:
+        """The loop around the decode graph that just ran (its flat inputs `leaves`), or None where
+        it cannot run in one."""
+        if len(called) != 1:
+            return None  # a graph break: the step is several graphs with Python between them
+        program = called[0].module.last_program
+        kept = self._loops.get(id(program))
+        if kept is not None and kept[0] is program:
+            return kept[1]
+        loop = self._build(program, leaves[0], known)
+        self._loops[id(program)] = (program, loop)  # the program kept alive: its id names no other
+        return loop
+
+    def _build(self, program: Any, leaves: tuple, known: dict[str, torch.Tensor]) -> _Loop | None:
+        if program is None or program.captured.has_random:
+            return None
+        tensors = program.slot_tensors(list(leaves))
+        written = program.written  # output -> input position
+        carried = sorted(written.items())
+        writes = set(written.values())
+        by_id = {id(t): role for role, t in known.items()}
+        roles: dict[str, int] = {}
+        for i, tensor in enumerate(tensors):
+            if program.long_lived(i) or i in writes:
+                continue
+            role = by_id.get(id(tensor))
+            if role is None:
+                return None  # an input that may change per token and is none of the step's own
+            roles[role] = i
+        if "ids" not in roles:
+            return None
+        users = [j for j, o in enumerate(program.captured.outputs) if o.kind == "user"]
+        if len(users) != 1:
+            return None
+        logits = users[0]
+        infer = program.infer
+
+        def loop(fixed: list[Any], cache: list[jax.Array], token: jax.Array, mask: jax.Array, done: jax.Array,
+                 position: jax.Array, steps: int, pad: jax.Array, eos: jax.Array) -> jax.Array:
+            out = jnp.full((token.shape[0], steps), pad, token.dtype)
+
+            def running(carry):
+                i, _, _, _, done, _ = carry
+                return (i < steps) & ~jnp.all(done)
+
+            def step(carry):
+                i, token, mask, cache, done, out = carry
+                here = position + i
+                mask = mask.at[:, here].set(1)
+                full = list(fixed)
+                full[roles["ids"]] = token[:, None].astype(fixed_dtypes["ids"])
+                if "mask" in roles:
+                    full[roles["mask"]] = mask.astype(fixed_dtypes["mask"])
+                if "position_ids" in roles:
+                    full[roles["position_ids"]] = (mask.sum(-1, keepdims=True) - 1).astype(fixed_dtypes["position_ids"])
+                if "cache_position" in roles:
+                    full[roles["cache_position"]] = jnp.reshape(here, (1,)).astype(fixed_dtypes["cache_position"])
+                for (_, position_in), value in zip(carried, cache):
+                    full[position_in] = value
+                outs = infer(full, None)
+                token = jnp.where(done, pad, jnp.argmax(outs[logits], -1).astype(token.dtype))
+                done = done | jnp.isin(token, eos)
+                return i + 1, token, mask, [outs[o] for o, _ in carried], done, out.at[:, i].set(token)
+
+            start = (jnp.int32(0), token, mask, cache, done, out)
+            end = jax.lax.while_loop(running, step, start)
+            return end[5], end[3]  # the cache too: its donated buffers hold the new one
+
+        fixed_dtypes = {role: program.array_dtype(i, tensors[i]) for role, i in roles.items()}
+        return _Loop(jax.jit(loop, static_argnums=6, donate_argnums=1), roles, carried, logits)
+
+    def _run_loop(self, loop: _Loop, graph: _Graph, leaves: tuple, token: torch.Tensor, mask: torch.Tensor,
+                  done: torch.Tensor, position: int, steps: int, pad: int, eos: set[int]) -> list[torch.Tensor]:
+        program = graph.module.last_program
+        layout = program.layout
+        device = where(None).device
+        fixed, cache = program.loop_arrays(list(leaves), layout or device, [i for _, i in loop.carried])
+        for i in loop.roles.values():
+            fixed[i] = None  # fed by the loop
+        if loop.calls == 0:
+            self.executables += 1
+        loop.calls += 1
+        # replicated over a layout's mesh (every process passes the same), else on the device
+        put = layout.put if layout else (lambda tensor: to_jax(tensor, device=device))
+        out, _ = loop.jitted(fixed, cache, put(token[:, 0].to(torch.int32)), put(mask.to(torch.int32)), put(done),
+                             np.int32(position), steps, np.int32(pad), np.asarray(sorted(eos) or [-1], np.int32))
+        out = whole(out, layout) if layout else np.asarray(out)
+        return list(torch.from_numpy(np.asarray(out).astype(np.int64)).unbind(1))
