@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import ViewCache, Where, jax_dtype, to_jax, to_torch, where
+from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, where
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured, resolver
 from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
@@ -130,72 +130,6 @@ class Program:
             outputs[i] = value if i in keep or slot.dtype is None else to_torch(value, slot.dtype)
         return self._finish(outputs, leaves, tensors, place)
 
-    # -- the graph inside another program (serve/_decode: a decode loop on the device) ------------
-
-    @property
-    def written(self) -> dict[int, int]:
-        """Output position -> input position of each input the graph writes (a KV cache)."""
-        return dict(self._written)
-
-    @property
-    def layout(self) -> Layout | None:
-        """The layout of the module's tensors over a mesh, if any (known after the first call)."""
-        return self._layout or None
-
-    @property
-    def infer(self) -> Any:
-        """The graph as a JAX function: (input arrays in slot order, None) -> its outputs, no gradients."""
-        return self._executables._infer
-
-    def long_lived(self, position: int) -> bool:
-        """Whether the input at `position` is a parameter, buffer or constant the graph only reads."""
-        return self._long_lived[position]
-
-    def slot_tensors(self, leaves: list[Any]) -> list[torch.Tensor]:
-        """The tensor of each input position for a call with the flat inputs `leaves`."""
-        return [resolve(leaves) for resolve in self._resolve]
-
-    def array_dtype(self, position: int, tensor: torch.Tensor) -> Any:
-        """The dtype of the input array at `position` for `tensor` (the bridge narrows int64 to int32)."""
-        del position
-        return jax_dtype(tensor.dtype)
-
-    def loop_arrays(self, leaves: list[Any], device: Any, written: list[int]) -> tuple[list[Any], list[jax.Array]]:
-        """The input arrays of a call with `leaves` on `device` (or over the program's layout): the
-        read-only ones as a call makes them (views of torch's tensors where it can see the device;
-        the layout's arrays), and the inputs at `written` separately, None at their positions: the
-        arrays this program keeps for them on the devices (handed over: the caller's loop donates
-        them, so torch's tensors are what the caller must not read again), or copies of torch's
-        tensors."""
-        tensors = self.slot_tensors(leaves)
-        layout = self._layout
-        if layout:
-            gone = set(written)
-            arrays = [None if i in gone else layout.array(t) for i, t in enumerate(tensors)]
-            arrays = [a if a is not None or i in gone else layout.put(tensors[i].detach())
-                      for i, a in enumerate(arrays)]
-            carried = []
-            for i in written:
-                kept = self._resident.get(i, tensors[i], layout)
-                self._resident.drop(i)
-                carried.append(kept if kept is not None else layout.put(
-                    tensors[i].detach(), self._executables.laid_out.resident_spec(i)))
-            return arrays, carried
-        arrays: list[Any] = [None] * len(tensors)
-        if self._long:
-            for i, array in zip(self._long, self._views.get_all(self._long, [tensors[i] for i in self._long], device)):
-                arrays[i] = array
-        gone = set(written)
-        for i in self._short:
-            if i not in gone:
-                arrays[i] = to_jax(tensors[i], device=device)
-        carried = []
-        for i in written:
-            kept = self._resident.get(i, tensors[i], device)
-            self._resident.drop(i)
-            carried.append(kept if kept is not None else to_jax(tensors[i], copy=True, device=device))
-        return arrays, carried
-
     def _find_layout(self, tensors: list[torch.Tensor]) -> Layout | None:
         """The layout (tpudist.parallelize) of the module's parameters and buffers, if any."""
         for slot, tensor, long in zip(self._slots, tensors, self._long_lived):
@@ -298,3 +232,55 @@ def _wholes(arrays: list[jax.Array], place: Where | Layout) -> list[jax.Array]:
 def _seed() -> np.uint32:
     # drawn from torch's default generator, so torch.manual_seed makes compiled dropout reproducible
     return np.uint32(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+# -- the graph inside another program (serve/_decode: a decode loop on the device) ----------------
+
+def slot_tensors(program: Program, leaves: list[Any]) -> list[torch.Tensor]:
+    """The tensor of each of `program`'s input positions for a call with the flat inputs `leaves`."""
+    return [resolve(leaves) for resolve in program._resolve]
+
+
+def loop_arrays(program: Program, leaves: list[Any], device: Any,
+                written: list[int]) -> tuple[list[Any], list[jax.Array]]:
+    """The input arrays of a call of `program` with `leaves` on `device` (or over the program's
+    layout): the read-only ones as a call makes them (views of torch's tensors where it can see the
+    device; the layout's arrays), and the inputs at `written` separately, None at their positions:
+    the arrays the program keeps for them on the devices (handed over: the caller's loop donates
+    them, so torch's tensors are what the caller must not read again), or copies of torch's tensors."""
+    tensors = slot_tensors(program, leaves)
+    layout = program._layout
+    gone = set(written)
+    if layout:
+        arrays = [None if i in gone else layout.array(t) for i, t in enumerate(tensors)]
+        arrays = [a if a is not None or i in gone else layout.put(tensors[i].detach()) for i, a in enumerate(arrays)]
+    else:
+        arrays = [None] * len(tensors)
+        if program._long:
+            longs = program._views.get_all(program._long, [tensors[i] for i in program._long], device)
+            for i, array in zip(program._long, longs):
+                arrays[i] = array
+        for i in program._short:
+            if i not in gone:
+                arrays[i] = to_jax(tensors[i], device=device)
+    carried = []
+    for i in written:
+        kept = program._resident.get(i, tensors[i], layout or device)
+        program._resident.drop(i)
+        if kept is None:
+            kept = (layout.put(tensors[i].detach(), program._executables.laid_out.resident_spec(i)) if layout
+                    else to_jax(tensors[i], copy=True, device=device))
+        carried.append(kept)
+    return arrays, carried
+
+
+def loop_graph(program: Program) -> tuple[Any, dict[int, int], Layout | None]:
+    """`program`'s graph as a JAX function ((input arrays in slot order, None) -> its outputs, no
+    gradients), the input position each written output updates, and its layout (None: one device)."""
+    return program._executables._infer, dict(program._written), program._layout or None
+
+
+def long_lived(program: Program, position: int) -> bool:
+    """Whether `program`'s input at `position` is a parameter, buffer or constant it only reads."""
+    return program._long_lived[position]
+

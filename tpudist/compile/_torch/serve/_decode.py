@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import to_jax, where
+from tpudist.compile._torch._convert import jax_dtype, to_jax, where
 from tpudist.compile._torch.module._laid_out import whole
 from tpudist.compile._torch.module._module import CompiledModule
+from tpudist.compile._torch.module._program import long_lived, loop_arrays, loop_graph, slot_tensors
 
 
 @dataclass
@@ -179,14 +180,14 @@ class DecodeLoop:
     def _build(self, program: Any, leaves: tuple, known: dict[str, torch.Tensor]) -> _Loop | None:
         if program is None or program.captured.has_random:
             return None
-        tensors = program.slot_tensors(list(leaves))
-        written = program.written  # output -> input position
+        tensors = slot_tensors(program, list(leaves))
+        infer, written, _ = loop_graph(program)  # written: output -> input position
         carried = sorted(written.items())
         writes = set(written.values())
         by_id = {id(t): role for role, t in known.items()}
         roles: dict[str, int] = {}
         for i, tensor in enumerate(tensors):
-            if program.long_lived(i) or i in writes:
+            if long_lived(program, i) or i in writes:
                 continue
             role = by_id.get(id(tensor))
             if role is None:
@@ -198,7 +199,6 @@ class DecodeLoop:
         if len(users) != 1:
             return None
         logits = users[0]
-        infer = program.infer
 
         def loop(fixed: list[Any], cache: list[jax.Array], token: jax.Array, mask: jax.Array, done: jax.Array,
                  position: jax.Array, steps: int, pad: jax.Array, eos: jax.Array) -> jax.Array:
@@ -231,15 +231,15 @@ class DecodeLoop:
             end = jax.lax.while_loop(running, step, start)
             return end[5], end[3]  # the cache too: its donated buffers hold the new one
 
-        fixed_dtypes = {role: program.array_dtype(i, tensors[i]) for role, i in roles.items()}
+        fixed_dtypes = {role: jax_dtype(tensors[i].dtype) for role, i in roles.items()}  # (int64 -> int32)
         return _Loop(jax.jit(loop, static_argnums=6, donate_argnums=1), roles, carried, logits)
 
     def _run_loop(self, loop: _Loop, graph: _Graph, leaves: tuple, token: torch.Tensor, mask: torch.Tensor,
                   done: torch.Tensor, position: int, steps: int, pad: int, eos: set[int]) -> list[torch.Tensor]:
         program = graph.module.last_program
-        layout = program.layout
+        layout = loop_graph(program)[2]
         device = where(None).device
-        fixed, cache = program.loop_arrays(list(leaves), layout or device, [i for _, i in loop.carried])
+        fixed, cache = loop_arrays(program, list(leaves), device, [i for _, i in loop.carried])
         for i in loop.roles.values():
             fixed[i] = None  # fed by the loop
         if loop.calls == 0:
