@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch._convert import jax_dtype, to_jax, where
+from tpudist.compile._torch.module._dynamo import backend
 from tpudist.compile._torch.module._laid_out import whole
 from tpudist.compile._torch.module._module import CompiledModule
 from tpudist.compile._torch.module._program import long_lived, loop_arrays, loop_graph, slot_tensors
@@ -58,7 +59,6 @@ class _Loop:
     roles: dict[str, int]  # "ids", "mask", "position_ids", "cache_position" -> input position
     carried: list[tuple[int, int]]  # (output, input) of each input the graph writes (the cache)
     logits: int  # the output position of the last token's logits
-    calls: int = field(default=0)
 
 
 class DecodeLoop:
@@ -73,11 +73,14 @@ class DecodeLoop:
         self._graphs: list[_Graph] = []
         # by id of the decode graph's program: (that program, its loop or None where it runs from Python)
         self._loops: dict[int, tuple[Any, _Loop | None]] = {}
-        self.executables = 0  # loop executables compiled
         self.on_device = True  # whether the last batch's decode ran inside the loop
-        from tpudist.compile._torch.module._dynamo import backend
-        self._backend = backend
         self._step = torch.compile(self._forward, backend=self._record, dynamic=False)
+
+    @property
+    def executables(self) -> int:
+        """How many XLA executables of the loop have been compiled so far."""
+        loops = [loop for _, loop in self._loops.values() if loop is not None]
+        return sum(getattr(loop.jitted, "_cache_size", lambda: 0)() for loop in loops)
 
     # -- the compiled step ---------------------------------------------------------------------
 
@@ -94,7 +97,7 @@ class DecodeLoop:
         return forward(**kwargs).logits[:, -1, :]
 
     def _record(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        forward = self._backend(gm, example_inputs)
+        forward = backend(gm, example_inputs)
         graph = _Graph(forward.__self__)
         self._graphs.append(graph)
 
@@ -128,23 +131,28 @@ class DecodeLoop:
             tokens.append(token)
             return token[:, None]
 
+        def decode(token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            """One decode step from Python: the next token, and the step's inputs by role."""
+            nonlocal position
+            mask[:, position] = 1
+            inputs = {"ids": token, "mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1,
+                      "cache_position": torch.tensor([position])}
+            position += 1
+            return pick(self._step(model, *inputs.values(), cache)), inputs
+
         with torch.no_grad():
             position_ids = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
             token = pick(self._step(model, ids, mask, position_ids, torch.arange(length), cache))
             position = length
             if new_tokens > 1 and not done.all():
-                mask[:, position] = 1
-                step_ids, position_ids, cache_position = token, mask.sum(-1, keepdim=True) - 1, torch.tensor([position])
                 before = [g.calls for g in self._graphs]
-                token = pick(self._step(model, step_ids, mask, position_ids, cache_position, cache))
-                position += 1
+                token, inputs = decode(token)
                 called = [g for g, n in zip(self._graphs, before) if g.calls != n] + self._graphs[len(before):]
                 leaves = [g.last for g in called]
                 for graph in self._graphs:
                     graph.last = ()  # the flat inputs hold the cache: not kept past this batch
                 rest = new_tokens - 2
-                loop = self._loop_of(called, leaves, {"ids": step_ids, "mask": mask, "position_ids": position_ids,
-                                                      "cache_position": cache_position}) if rest > 0 else None
+                loop = self._loop_of(called, leaves, inputs) if rest > 0 else None
                 self.on_device = loop is not None or rest <= 0
                 if loop is not None and not done.all():
                     tokens.extend(self._run_loop(loop, called[0], leaves[0], token, mask, done, position, rest,
@@ -153,10 +161,7 @@ class DecodeLoop:
                     for _ in range(rest):
                         if done.all():
                             break
-                        mask[:, position] = 1
-                        token = pick(self._step(model, token, mask, mask.sum(-1, keepdim=True) - 1,
-                                                torch.tensor([position]), cache))
-                        position += 1
+                        token, _ = decode(token)
         out = torch.full((batch, new_tokens), pad, dtype=torch.long)
         joined = torch.stack(tokens, 1)[:, :new_tokens]
         out[:, :joined.shape[1]] = joined
@@ -242,12 +247,9 @@ class DecodeLoop:
         fixed, cache = loop_arrays(program, list(leaves), device, [i for _, i in loop.carried])
         for i in loop.roles.values():
             fixed[i] = None  # fed by the loop
-        if loop.calls == 0:
-            self.executables += 1
-        loop.calls += 1
         # replicated over a layout's mesh (every process passes the same), else on the device
         put = layout.put if layout else (lambda tensor: to_jax(tensor, device=device))
         out, _ = loop.jitted(fixed, cache, put(token[:, 0].to(torch.int32)), put(mask.to(torch.int32)), put(done),
                              np.int32(position), steps, np.int32(pad), np.asarray(sorted(eos) or [-1], np.int32))
-        out = whole(out, layout) if layout else np.asarray(out)
-        return list(torch.from_numpy(np.asarray(out).astype(np.int64)).unbind(1))
+        out = np.asarray(whole(out, layout) if layout else out)  # (whole: a host array of JAX's)
+        return list(torch.from_numpy(out.astype(np.int64)).unbind(1))

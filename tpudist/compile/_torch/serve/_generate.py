@@ -15,9 +15,9 @@ under tensor parallelism). Replies come back in the order of the requests.
 
 Greedy decoding of a decoder-only model (the default generation settings; laid out or not) skips
 `generate`'s Python loop: the decode steps run inside one XLA program (`_decode`; one serves every
-bucket), with the same tokens. Anything else (sampling, beams, logits processors the model's generation config turns
-on, an encoder-decoder) goes through `model.generate`; `generate_stats().loop` says
-which ran.
+bucket), with the same tokens. Anything else (sampling, beams, logits processors the model's
+generation config turns on, an encoder-decoder) goes through `model.generate`;
+`generate_stats().loop` says which ran.
 """
 
 from __future__ import annotations
