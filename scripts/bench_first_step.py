@@ -16,8 +16,8 @@ forward + backward + optimizer step with an empty inductor cache. The warm proce
 steady step of the fused step, eager torch and the dynamo path (`torch.compile(backend="tpudist")`,
 "-" while no such backend is registered).
 
-Phases, from timers that exist: torch.export and run_decompositions (timed by wrapping them here),
-the rest of the capture (TrainStepStats.capture_seconds less both), JAX's own monitoring events
+Phases, from timers that exist: torch.export and the decomposition to core ATen (timed by wrapping
+them here), the rest of the capture (TrainStepStats.capture_seconds less both), JAX's own monitoring events
 (tracing to a jaxpr, which runs tpudist's op lowerings; jaxpr -> StableHLO; XLA's compile, a cache
 read when warm) and "other": the first call less all of those (planning, state upload, the run).
 "kernels" counts the fusions in the fused step's optimized HLO: what XLA compiled and each step launches.
@@ -81,8 +81,8 @@ class _Clock:
         jax.monitoring.register_event_duration_secs_listener(self._event)
         jax.monitoring.register_event_listener(self._count)
         torch.export.export = self._timed("export", torch.export.export)
-        cls = torch.export.ExportedProgram
-        cls.run_decompositions = self._timed("decompose", cls.run_decompositions)
+        from tpudist.compile._torch.lowering import _capture  # the capture's decomposition to core ATen
+        _capture.decompose = self._timed("decompose", _capture.decompose)
 
     def _event(self, event: str, seconds: float, **_: Any) -> None:
         if self.on:

@@ -16,7 +16,6 @@ traced inside the same autocast, so the graph holds its casts, as eager torch wo
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import operator
 import random
@@ -35,12 +34,12 @@ from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
 from tpudist.compile._torch.lowering._outputs import FlatOutputs
+from tpudist.compile._torch.lowering._decompose import decompose, decompositions as _decompositions
 from tpudist.compile._torch.lowering.ops.ctc import CtcAsOneOp
 from tpudist.compile._torch.lowering._registry import (
     IGNORED_OPS,
     UnsupportedOpError,
     lookup,
-    torch_decompositions,
     unsupported_message,
 )
 
@@ -48,17 +47,6 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 # one cheap check before the per-device ones (read before every step); torch's own, where it has it
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled",
                         lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES))
-
-
-@functools.lru_cache(maxsize=1)
-def _decompositions() -> Any:
-    # building the table costs ~0.4 s per export when left to run_decompositions()
-    table = torch.export.default_decompositions()
-    extra, kept = torch_decompositions()
-    table.update(extra)
-    for op in kept:
-        table.pop(op, None)
-    return table
 
 
 def autocast_state() -> tuple:
@@ -127,7 +115,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
         check_shapes(program.graph_module.graph)  # what torch's kernels refuse and its meta kernels let through
         try:
             with _observed.quiet() if guard is not None else contextlib.nullcontext():
-                program = program.run_decompositions(_decompositions())
+                program = decompose(program, _decompositions())
         except Exception as exc:  # a decomposition of torch's own failed on this graph
             op, path = _failing_decomposition(program)
             raise CaptureError(
