@@ -30,6 +30,9 @@ default (TORCH_THREADS below says why). Contenders:
   jitted prefill and one jitted decode step, the KV cache one array per K and V updated with
   `lax.dynamic_update_slice` and donated, greedy argmax on the device, no host sync until the last
   token). What the hardware and XLA can do with no framework in between.
+- jax_floor_per_layer: that floor with the cache kept as the torch model's StaticCache keeps it,
+  one array per layer for K and one for V: whether the cache's layout, rather than tpudist, costs
+  anything against jax_floor.
 - jax_floor_tp4: that floor with its weights laid out as tpudist_tp4's (the layout's shardings),
   in the same processes and mesh: the tensor-parallel floor, which tpudist_tp4's ratios are over.
 
@@ -76,7 +79,7 @@ from typing import Any
 import _bench
 
 CONTENDERS = ("tpudist", "tpudist_generate", "tpudist_tp4", "tpudist_generate_tp4", "eager_static", "eager_dynamic",
-              "hf_loop", "jax_floor", "jax_floor_tp4")
+              "hf_loop", "jax_floor", "jax_floor_per_layer", "jax_floor_tp4")
 UNCHECKED = ("hf_loop",)  # its forward computes nothing: no tokens or logits to compare
 TP_SIDES = ("tpudist_tp4", "tpudist_generate_tp4", "jax_floor_tp4")  # the tensor-parallel run's; the last is its floor
 TP_DEVICES, TP_PROCESSES = 4, 2
@@ -233,8 +236,12 @@ class _Cache:
         keys up to `start`). Returns (batch, s, heads * d)."""
         import jax
         import jax.numpy as jnp
-        self.k = jax.lax.dynamic_update_slice(self.k, k[None], (i, 0, 0, self.start, 0))
-        self.v = jax.lax.dynamic_update_slice(self.v, v[None], (i, 0, 0, self.start, 0))
+        if isinstance(self.k, list):  # one array per layer, as Hugging Face's StaticCache keeps them
+            self.k[i] = jax.lax.dynamic_update_slice(self.k[i], k, (0, 0, self.start, 0))
+            self.v[i] = jax.lax.dynamic_update_slice(self.v[i], v, (0, 0, self.start, 0))
+        else:
+            self.k = jax.lax.dynamic_update_slice(self.k, k[None], (i, 0, 0, self.start, 0))
+            self.v = jax.lax.dynamic_update_slice(self.v, v[None], (i, 0, 0, self.start, 0))
         s = q.shape[3]
         if self.decode:
             k, v = self.k[i], self.v[i]
@@ -326,7 +333,7 @@ class Floor:
     """The hand-written JAX decode of a torch model: `generate(ids, n)` -> (batch, n) tokens (and
     with `logits=True` each step's logits, (batch, n, vocab), for the check against torch)."""
 
-    def __init__(self, model: Any, cache_len: int):
+    def __init__(self, model: Any, cache_len: int, per_layer: bool = False):
         import jax
         import jax.numpy as jnp
         arch = _llama(model.config) if type(model).__name__.startswith("Llama") else _gpt2(model.config)
@@ -334,7 +341,11 @@ class Floor:
         layers, kvh, d = arch.cache_dims
 
         def prefill(p: dict, ids: Any) -> Any:
-            zeros = jnp.zeros((layers, ids.shape[0], kvh, cache_len, d), jnp.float32)
+            shape = (ids.shape[0], kvh, cache_len, d)
+            if per_layer:
+                return _forward(arch, p, ids, _Cache([jnp.zeros(shape)] * layers, [jnp.zeros(shape)] * layers, 0,
+                                                     decode=False))
+            zeros = jnp.zeros((layers, *shape), jnp.float32)
             return _forward(arch, p, ids, _Cache(zeros, zeros, 0, decode=False))
 
         def decode(p: dict, token: Any, start: Any, k: Any, v: Any) -> Any:
@@ -356,10 +367,11 @@ class Floor:
         self.put = lambda ids: layout.put(ids)
 
     def generate(self, ids: Any, new_tokens: int, logits: bool = False) -> Any:
+        import jax
         import jax.numpy as jnp
         import numpy as np
         token, step_logits, k, v = self.prefill(self.params, self.put(ids))
-        self.cache_bytes = k.nbytes + v.nbytes
+        self.cache_bytes = sum(a.nbytes for a in jax.tree.leaves((k, v)))
         tokens, kept = [token], [step_logits]
         for start in range(ids.shape[1], ids.shape[1] + new_tokens - 1):
             token, step_logits, k, v = self.decode(self.params, token, start, k, v)
@@ -504,6 +516,7 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
     looped = build(name, sizes, cache_len)  # tpudist.generate's own decode loop
     loop = loop_only(name, sizes, cache_len)
     floor = Floor(eager, cache_len)
+    per_layer = Floor(eager, cache_len, per_layer=True)  # the floor with the torch model's own cache layout
     floor_ok = check_floor(name, eager, floor, sizes["vocab"])
     result: dict[str, Any] = {"times": {}, "tokens": {}, "floor_ok": floor_ok}
     for batch in setup["batches"]:
@@ -513,14 +526,16 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
                 "eager_dynamic": lambda n: generate(eager, ids, n, None),
                 "tpudist_generate": lambda n: device_loop(looped, ids, n, cache_len),
                 "hf_loop": lambda n: generate(loop, ids, n, cache_len),
-                "jax_floor": lambda n: torch.from_numpy(floor.generate(ids, n))}
+                "jax_floor": lambda n: torch.from_numpy(floor.generate(ids, n)),
+                "jax_floor_per_layer": lambda n: torch.from_numpy(per_layer.generate(ids, n))}
         result["times"][batch], last = time_generation(runs, new_tokens, setup["rounds"], tpudist_captures)
         result["tokens"][batch] = {side: out.numpy() for side, out in last.items()}
         if batch == setup["batches"][0]:
             result["logits"] = {"tpudist": generate(compiled, ids, new_tokens, cache_len, logits=True).numpy(),
                                 "eager_static": generate(eager, ids, new_tokens, cache_len, logits=True).numpy(),
                                 "eager_dynamic": generate(eager, ids, new_tokens, None, logits=True).numpy(),
-                                "jax_floor": floor.generate(ids, new_tokens, logits=True)[1]}
+                                "jax_floor": floor.generate(ids, new_tokens, logits=True)[1],
+                                "jax_floor_per_layer": per_layer.generate(ids, new_tokens, logits=True)[1]}
         print(f"  {name} batch {batch}: " + ", ".join(f"{s} {t['decode_ms']:.2f} ms/token"
                                                        for s, t in result["times"][batch].items()), flush=True)
     cache = StaticCache(config=eager.config, max_cache_len=cache_len)
@@ -578,7 +593,7 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
             memory = tp["memory"]
             row.update(params_per_device=memory["parameters"], cache_per_device=memory["cache"],
                        params_total=memory["parameters_total"], cache_total=memory["cache_total"])
-        elif side == "jax_floor":
+        elif side in ("jax_floor", "jax_floor_per_layer"):
             row.update(params_per_device=whole["parameters"], cache_per_device=here["floor_cache"])
         else:
             row.update(params_per_device=whole["parameters"], cache_per_device=whole["cache"])

@@ -68,6 +68,7 @@ CONSOLE = "TPUDIST_CONSOLE"  # "tty": the launcher's console is a terminal (fit 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused step and compiled modules copy between torch and XLA even on CPU (as on a TPU)
 GRAD_BUCKET_MB = "TPUDIST_GRAD_BUCKET_MB"  # the data-parallel step's bucket for small gradients, MiB (1; 0: one all-reduce per array)
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
+PEAK_FLOPS = "TPUDIST_PEAK_FLOPS"  # one device's peak FLOP/s for MFU where tpudist's table has none (a CPU)
 
 # Slices (libtpu's names, as xpk / JobSet and Ray's TPU launcher set them). Unset: one slice.
 NUM_SLICES = "MEGASCALE_NUM_SLICES"  # slices in the job; WORLD_SIZE / NUM_SLICES processes each

@@ -33,6 +33,9 @@ def test_fit_writes_the_history_as_scalars_and_traces_the_chosen_steps(tmp_path)
     lrs = [v for _, v in scalars["train/lr"]]
     assert lrs[:4] == [float(np.float32(0.1))] * 3 + [float(np.float32(0.05))]  # the schedule, step by step
     assert scalars["epoch/compile_s"][0][1] > 0
+    for name in ("goodput", "flops_per_step"):  # the efficiency report (test_efficiency.py)
+        assert [v for _, v in scalars[f"epoch/{name}"]] == [float(np.float32(r[name])) for r in history]
+    assert "epoch/mfu" not in scalars and "epoch/tokens_per_s" not in scalars  # a CPU has no peak; no token ids
     # the trace of steps 2..3: the fused step's span, two calls of it
     traces = list((tmp_path / "rank0" / "plugins" / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0

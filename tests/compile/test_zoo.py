@@ -360,3 +360,8 @@ def test_bert_trains_under_fit_through_the_launcher():
     assert found, done.stdout
     first, last, before, after = map(float, found.groups())
     assert last < first - 0.03 and after > max(0.8, before + 0.2), done.stdout
+    # the efficiency report (test_efficiency.py), from rank 0: tokens/s of its input_ids, MFU (n/a on a
+    # CPU, and why), goodput
+    output = done.stdout + done.stderr
+    assert re.search(r"epoch 2/2: .* examples/s, [\d,]+ tokens/s, MFU n/a, goodput \d+%", output), output
+    assert "MFU n/a: a CPU has no published peak" in output and "fit: goodput " in output, output

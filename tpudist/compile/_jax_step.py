@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tpudist._profile as _profile
 import tpudist._stacks as _stacks
+from tpudist.compile._efficiency import model_flops
 from tpudist.compile._jax_args import globalize, is_spec
 
 log = logging.getLogger("tpudist.compile")
@@ -122,6 +123,7 @@ class CompiledStep:
         self.name = name
         self.stats = CompileStats()
         self._executables: dict[Any, Any] = {}
+        self._flops: dict[int, float | None] = {}  # by id of each kept executable: model_flops of its program
         self._mesh_devices = frozenset(mesh.devices.flat)
         # XLA:CPU with several devices per process and gloo between processes deadlocks when
         # executions of consecutive steps overlap (seen after ~100-200 un-synced 2x2 DLRM steps;
@@ -162,6 +164,11 @@ class CompiledStep:
         """The XLA executable (`jax.stages.Compiled`) this step runs for these arguments, compiled
         now if it is new; e.g. `step.compiled(params, batch).memory_analysis()` for per-device bytes."""
         return self._prepare(args)[0]
+
+    def flops(self, executable: Any) -> float | None:
+        """The matmul and convolution FLOPs one device runs per call of `executable`, one of this
+        step's (`compiled`), loops counted per iteration (tpudist.compile._efficiency.model_flops)."""
+        return self._flops.get(id(executable))
 
     def _prepare(self, args: tuple) -> tuple[Any, list[Any]]:
         if self.in_specs is not None and not is_spec(self.in_specs) and len(self.in_specs) != len(args):
@@ -224,10 +231,13 @@ class CompiledStep:
         with _stats_lock:
             hits_before = _persistent_hits
         start = time.perf_counter()
-        executable = jitted.lower(*dynamic).compile()
+        traced = jitted.trace(*dynamic)
+        flops = model_flops(traced.jaxpr, self.mesh.devices.size if self.mesh is not None else 1)
+        executable = traced.lower().compile()
         if not self.per_device:
             executable = self._pin_outputs(executable, body, donate, dynamic)
         seconds = time.perf_counter() - start
+        self._flops[id(executable)] = flops
         with _stats_lock:
             hit = _persistent_hits > hits_before
             delta = CompileStats(compiles=1, cache_hits=int(hit), compile_seconds=seconds)

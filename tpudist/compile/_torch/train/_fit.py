@@ -28,7 +28,9 @@ import torch
 from tpudist import _metrics
 from tpudist._runtime import process_count, process_index
 from tpudist.collectives import all_gather, all_reduce
+from tpudist.compile._efficiency import Goodput, device_peak_flops
 from tpudist.compile._torch.train import _fit_io, _resume
+from tpudist.compile._torch.train._fit_report import compile_seconds, epoch_record, examples_in, tokens_in
 from tpudist.compile._torch.train._loader import device_loader
 from tpudist.compile._torch._custom_ops import SHARDED_ATTR
 
@@ -162,12 +164,6 @@ def _fused_step_for(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor]
     return steps[key][2]
 
 
-def _compile_seconds(step: Any) -> float:
-    """What the fused step spent capturing and compiling so far (0 for other steps)."""
-    stats = getattr(step, "stats", None)
-    return stats.capture_seconds + stats.compile_seconds if hasattr(stats, "compile_seconds") else 0.0
-
-
 def _checked_step(step: StepFn, batch: Any, fused: bool) -> torch.Tensor:
     if not fused:
         return step(batch)
@@ -198,23 +194,6 @@ def _grouped(batches: Iterable[Any], size: int) -> Iterator[Any]:
         if len(group) == size:
             yield concat_batches(group)
             group = []
-
-
-def _examples(batch: Any) -> int:
-    """Number of examples in a batch: the leading dimension of its first tensor."""
-    rows = getattr(batch, "rows", None)  # a DeviceBatch
-    if isinstance(rows, int):
-        return rows
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (tuple, list)):
-        for item in batch:
-            n = _examples(item)
-            if n:
-                return n
-    return 0
 
 
 def _check_lengths(loader: Iterable[Any], shard: bool) -> int | None:
@@ -286,7 +265,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     `log`, rank 0 says when the first call compiles the fused step and prints one line per epoch,
     its compile time apart. Each record: {"epoch",
     "loss" (mean over steps and processes of the local losses), "examples" (all processes),
-    "seconds", "examples_per_s", "compile_seconds" (capture and XLA compilation within the epoch)}.
+    "seconds", "examples_per_s", "compile_seconds" (capture and XLA compilation within the epoch),
+    and the efficiency report: "tokens", "tokens_per_s", "flops_per_step", "mfu", "goodput",
+    "data_seconds", "checkpoint_seconds" (docs/torch_training.md, "Efficiency")}.
     Example::
 
         history = tpudist.fit(model, loader, torch.optim.Adam(model.parameters()), F.mse_loss, epochs=2)
@@ -320,11 +301,15 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                                  _resume.Layout(count, accumulate_steps), saved) if checkpoint_dir else None
     scalars = _metrics.ScalarLog(log_dir, rank) if log_dir is not None else None
     tracer = _fit_io.StepProfile.from_settings(log_dir, profile_steps)
-    at = (saver.restore() if saver else None) or _resume.Progress()
+    run = Goodput()  # the whole call's, for the line that ends it
+    started = time.perf_counter()
+    with run.checkpointing():
+        at = (saver.restore() if saver else None) or _resume.Progress()
     resumed = at.position > 0
     terminal = sys.stderr.isatty()
     bar = _fit_io.Progress(rank == 0 and _fit_io.shows_progress(progress, terminal), log and rank == 0, terminal)
     history: list[dict[str, float]] = []
+    peak, peak_source = device_peak_flops()
     model.train()
     with _resume.stop_on_sigterm(step if saver else None) as stopping:
         try:
@@ -334,8 +319,9 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                     saver.replay_epoch_start() if resumed else saver.epoch_started()
                 bar.epoch(epoch, epochs, total)
                 losses: list[Any] = []  # on the devices until the epoch's end: no step waits for its loss
-                examples = 0
-                start, compiled = time.perf_counter(), _compile_seconds(step)
+                examples, tokens = 0, 0
+                clock = Goodput()
+                start, compiled = time.perf_counter(), compile_seconds(step)
                 batches: Iterator[Any] = _grouped(_my_batches(loader, rank, count) if shard else loader, accumulate_steps)
                 if resumed:  # the batches trained on before the restart
                     batches = itertools.islice(batches, at.position, None)
@@ -343,7 +329,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                     batches = device_loader(batches, mesh=step.mesh)
                 lrs: list[float] = []
                 try:
-                    for batch in batches:
+                    for batch in clock.waited(batches):
                         tracer.before(at.global_step)
                         if resumed and saver is not None:
                             saver.resume_rng()  # the loader has drawn its shuffle: torch's state of the checkpoint
@@ -357,34 +343,43 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                         tracer.after(at.global_step)
                         if lr_scheduler is not None:
                             lr_scheduler.step()
-                        examples += _examples(batch)
+                        examples += examples_in(batch)
+                        counted = tokens_in(batch)
+                        tokens = tokens + counted if counted is not None and tokens >= 0 else -1
                         # the rate of training, its compile left out (the first step's line would say 7/s)
-                        busy = time.perf_counter() - start - (_compile_seconds(step) - compiled)
+                        busy = time.perf_counter() - start - (compile_seconds(step) - compiled)
                         bar.update(losses, examples * count / max(busy, 1e-9))
                         if saver is not None and stopping.agreed(step.signal):
-                            saver.save(at, wait=True)
+                            with clock.checkpointing():
+                                saver.save(at, wait=True)
                             raise _resume.Stopped(at.global_step)
                         if saver is not None and checkpoint_every and at.global_step % checkpoint_every == 0:
-                            saver.save(at, wait=False)
+                            with clock.checkpointing():
+                                saver.save(at, wait=False)
                 finally:
                     if fused:
                         batches.close()
                 resumed = False
-                loss_sum, steps = sum(float(loss) for loss in losses), len(losses)
-                seconds = time.perf_counter() - start
-                # One collective per epoch, not per step: the history's loss and example count.
-                totals = all_reduce(torch.tensor([loss_sum, examples, steps], dtype=torch.float64), op="sum")
-                loss_total, examples_total, steps_total = totals.tolist()
-                record = {"epoch": epoch, "loss": loss_total / max(steps_total, 1), "examples": int(examples_total),
-                          "seconds": seconds, "examples_per_s": examples_total / seconds if seconds > 0 else 0.0,
-                          "compile_seconds": _compile_seconds(step) - compiled}
+                loss_sum, steps = sum(float(loss) for loss in losses), len(losses)  # (waits for the last step)
+                clock.wall_s, clock.compile_s = time.perf_counter() - start, compile_seconds(step) - compiled
+                # the slowest process's: every other one waits for it in the step's all-reduce
+                slowest = all_reduce(torch.tensor([clock.compile_s, clock.checkpoint_s, clock.data_s],
+                                                  dtype=torch.float64), op="max")
+                clock.compile_s, clock.checkpoint_s, clock.data_s = slowest.tolist()
+                run.add(clock)
+                # One collective per epoch, not per step: the history's loss, example and token counts.
+                totals = all_reduce(torch.tensor([loss_sum, examples, steps, max(tokens, 0), tokens < 0],
+                                                 dtype=torch.float64), op="sum")
+                flops = getattr(getattr(step, "stats", None), "flops_per_step", None)
+                record = epoch_record(epoch, totals.tolist(), clock, steps, flops, peak)
                 history.append(record)
                 if scalars is not None:
                     _fit_io.write_scalars(scalars, record, losses, lrs, at.global_step, step)
                 bar.end_epoch(record, epochs)
                 at.position = 0
             if saver is not None:
-                saver.save(at, wait=True)
+                with run.checkpointing():
+                    saver.save(at, wait=True)
         except _resume.Stopped as stopped:
             if rank == 0:
                 print(f"fit: stopped by SIGTERM after step {stopped.step}; the checkpoint is in {checkpoint_dir}",
@@ -397,4 +392,6 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 scalars.close()
             if fused:
                 step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
+    run.wall_s = time.perf_counter() - started
+    bar.end_run(run, history, peak_source if peak is None else None)
     return history

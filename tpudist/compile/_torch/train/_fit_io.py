@@ -75,9 +75,21 @@ class Progress:
             self.bar.remove_task(self.task)
         if self.log:
             compiling = f", of which compiling {record['compile_seconds']:.2f} s" if record["compile_seconds"] else ""
+            tokens = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] is not None else ""
+            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
             print(f"epoch {record['epoch']}/{epochs}: loss {record['loss']:.6g}, "
-                  f"{record['examples_per_s']:,.0f} examples/s ({record['examples']} examples in "
-                  f"{record['seconds']:.2f} s{compiling})", file=sys.stderr, flush=True)
+                  f"{record['examples_per_s']:,.0f} examples/s{tokens}, MFU {mfu}, goodput "
+                  f"{100 * record['goodput']:.0f}% ({record['examples']} examples in {record['seconds']:.2f} s"
+                  f"{compiling})", file=sys.stderr, flush=True)
+
+    def end_run(self, run: Any, history: list[dict[str, Any]], no_peak: str | None) -> None:
+        """The line that ends `fit` (with `log`): the run's goodput, and why MFU is n/a if it is."""
+        if not self.log or not history:
+            return
+        flops = history[-1]["flops_per_step"]
+        work = f"; {flops / 1e9:,.3g} GFLOPs per step and device" if flops is not None else ""
+        why = f"; MFU n/a: {no_peak}" if no_peak else ""
+        print(f"fit: {run.describe()}{work}{why}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -97,6 +109,10 @@ def write_scalars(scalars: Any, record: dict[str, float], losses: list[Any], lrs
     stats = getattr(step, "stats", None)
     if stats is not None and hasattr(stats, "compile_seconds"):
         scalars.scalar("epoch/compile_s", stats.compile_seconds + stats.capture_seconds, record["epoch"])
+    scalars.scalar("epoch/goodput", record["goodput"], record["epoch"])
+    for name in ("tokens_per_s", "flops_per_step", "mfu"):
+        if record[name] is not None:
+            scalars.scalar(f"epoch/{name}", record[name], record["epoch"])
     scalars.flush()
 
 

@@ -53,10 +53,14 @@ class TrainStepStats(CaptureStats):
     """Counters of one fused train step: `compiles` (batch signatures, train/eval modes and
     autocast settings captured and compiled; a steady loop stays at 1), `calls`, `capture_seconds`
     (see `CaptureStats`), `state_reloads` (uploads of state that torch changed: the first step,
-    after `load_state_dict`, after edits), `compile_seconds`."""
+    after `load_state_dict`, after edits), `compile_seconds`, `flops_per_step` (the matmul and
+    convolution FLOPs one device runs in the step the last call ran: forward and backward of
+    every micro-batch, each layer of a scanned stack; None before the first step or where a loop's
+    trip count is unknown; `fit` reports MFU from it)."""
 
     state_reloads: int = 0
     compile_seconds: float = 0.0
+    flops_per_step: float | None = None
 
     def compiled(self, seconds: float) -> None:
         """Told by each signature when its executable compiles (its `on_compile`)."""
@@ -175,6 +179,7 @@ class TrainStep:
         out = program(leaves, on_device, self.groups.hyperparameters(), self.rng() if program.random else None,
                       self._signal_input() if self.signals else None, self.stats.calls)
         mirror.stepped(out.params, out.states, out.counts, program)
+        self.stats.flops_per_step = program.flops
         if program.random:
             self._rng = out.rng
         self.signal = out.signal

@@ -82,6 +82,7 @@ class Signature:
         self._serialize = self.step._serialize
         self._span_name = f"tpudist.torch_step[{name}]"
         self._executable: jax.stages.Compiled | None = None
+        self.flops: float | None = None  # one device's matmul and convolution FLOPs per call (model_flops)
         self._packing: Packing | None = None  # the mirror's pool layout the executable was compiled for
         self._in_flight: jax.Array | None = None
         self.fixed: list[jax.Array] = []
@@ -123,6 +124,7 @@ class Signature:
         if self._executable is None or self._packing is not mirror.pool.packing:
             self._packing = mirror.pool.packing  # (a pool of other shapes or dtypes: compiled again)
             self._executable = self.step.compiled(*args)
+            self.flops = self.step.flops(self._executable)
             self._on_compile(self.step.stats.compile_seconds)
         if self._serialize and self._in_flight is not None:
             jax.block_until_ready(self._in_flight)  # see CompiledStep: multi-device CPU steps must not overlap
