@@ -68,6 +68,9 @@ CONSOLE = "TPUDIST_CONSOLE"  # "tty": the launcher's console is a terminal (fit 
 TORCH_HOST_VIEW = "TPUDIST_TORCH_HOST_VIEW"  # "0": the fused step and compiled modules copy between torch and XLA even on CPU (as on a TPU)
 GRAD_BUCKET_MB = "TPUDIST_GRAD_BUCKET_MB"  # the data-parallel step's bucket for small gradients, MiB (1; 0: one all-reduce per array)
 HUGEPAGES = "TPUDIST_HUGEPAGES"  # "0": do not set GLIBC_TUNABLES for the processes tpudist starts
+# fit's goodput so far, one line on rank 0's stderr under the launcher (its JSON after this prefix):
+# the agent files it as chatter (log files, -v), the launcher sums the attempts' into the job's goodput
+GOODPUT_REPORT = "tpudist-goodput "
 PEAK_FLOPS = "TPUDIST_PEAK_FLOPS"  # one device's peak FLOP/s for MFU where tpudist's table has none (a CPU)
 
 # Slices (libtpu's names, as xpk / JobSet and Ray's TPU launcher set them). Unset: one slice.

@@ -37,7 +37,15 @@ def test_a_rank_killed_mid_epoch_restarts_and_ends_bit_identical(straight, tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     assert "attempt 1 failed; restarting" in done.stderr and "rank 1 on localhost (worker 0): SIGKILL" in done.stderr
     assert (tmp_path / "out").read_text() == straight   # parameters, optimizer state and LR: bit for bit
-    print(f"kill and resume: {time.monotonic() - start:.1f} s")
+    seconds = time.monotonic() - start
+    print(f"kill and resume: {seconds:.1f} s")
+    # the launcher's goodput over both attempts, from fit's reports (tests/launch/test_goodput.py)
+    import re
+    found = re.search(r"tpudist: goodput (\d+)% over the job \(2 attempts, ([\d.]+) s\): stepping ([\d.]+) s",
+                      done.stderr)
+    assert found, done.stderr
+    percent, job, stepping = int(found[1]), float(found[2]), float(found[3])
+    assert 0 < stepping < job <= seconds and abs(percent - 100 * stepping / job) <= 1, found[0]
 
 
 def test_sigterm_saves_at_an_agreed_step_and_a_new_job_resumes(straight, tmp_path):

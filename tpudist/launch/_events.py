@@ -91,6 +91,9 @@ class EventHandling:
         if kind == "logs":
             if self.sink is not None:
                 self.sink.write_batch(msg.logs.lines)
+            for line in msg.logs.lines:
+                if line.chatter and line.rank == 0:
+                    self.goodput.read(line.data)
             if any(not line.chatter for line in msg.logs.lines):
                 self.hangs.progress(time.monotonic())
         elif kind == "heartbeat":

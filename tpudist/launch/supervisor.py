@@ -36,6 +36,7 @@ import time
 
 import tpudist._proc as _proc
 from tpudist.launch._events import Event, EventHandling, signal_handlers
+from tpudist.launch._goodput import JobGoodput
 from tpudist.launch._hang import HangWatch, stacks_table
 from tpudist.launch._output import LogSink
 from tpudist.launch._report import StartStatus, ending_table, restart_table
@@ -85,6 +86,7 @@ class Supervisor(AgentStartup, EventHandling):
         self.console = console_is_terminal(config.output.quiet)  # also asks fit for progress lines
         self.status = StartStatus(enabled=self.console)
         self.sink: LogSink | None = None
+        self.goodput = JobGoodput()  # fit's reports from rank 0, for the summary
         self.t0 = time.monotonic()
 
     # -- the sequence ------------------------------------------------------------------------------
@@ -229,6 +231,8 @@ def _ending(sup: Supervisor, result: AttemptResult):
     elif sup.config.output.verbose:
         yield (f"tpudist: {len(result.states)} processes on {len(sup.hosts)} hosts finished "
                f"in {time.monotonic() - sup.t0:.1f} s")
+    if not sup.config.output.quiet and (goodput := sup.goodput.summary(time.monotonic() - sup.t0)):
+        yield goodput
     if sup.dropped and not sup.config.output.quiet:
         yield (f"tpudist: the job ended on {len(sup.active)} of {len(sup.hosts)} hosts; --min-hosts dropped "
                + sup.dropped_text())

@@ -9,6 +9,7 @@ console by default. The table (`PATTERNS`):
 | `gloo` | gloo's connect message, one per communicator, from the thread that connected it | `[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1` |
 | `absl-preinit` | absl's notice before its logging is initialised (gRPC, XLA) | `WARNING: All log messages before absl::InitializeLog() is called are written to STDERR` |
 | `absl-info` | absl/glog INFO lines (`I` + date); WARNING and ERROR lines stay on the console | `I0000 00:00:1700000000.123456  4242 service.cc:152] XLA service ...` |
+| `tpudist-goodput` | `fit`'s goodput so far, for the launcher's summary (contract.GOODPUT_REPORT) | `tpudist-goodput {"attempt": 0, "wall_s": 12.5, ...}` |
 
 gloo writes its message in pieces (`"[Gloo] Rank "`, the rank, `" is connected to "`, the count,
 `" peer ranks. "`, `"Expected number of connected peer ranks is : "`, the count, a newline) through
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import re
 
+from tpudist import contract
+
 # gloo's message: its constant pieces (each message has each once, and three numbers).
 _HEAD, _END = b"[Gloo] Rank ", b"Expected number of connected peer ranks is : "
 _GLOO_CONSTANTS = re.compile(rb"(\[Gloo\] Rank | is connected to | peer ranks\. |"
@@ -48,6 +51,8 @@ PATTERNS = {  # whole-line chatter: name -> pattern
                                rb"are written to STDERR$"),
     # glog's `I1201 21:40:00.123456  4242 file.cc:12] `; before absl knows the date, `00:00:<epoch s>`
     "absl-info": re.compile(rb"^I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.+-]+:\d+\] "),
+    # fit's report to the launcher (tpudist/launch/_goodput.py)
+    "tpudist-goodput": re.compile(b"^" + re.escape(contract.GOODPUT_REPORT.encode())),
 }
 MAX_HELD = 1 << 20  # a held line longer than this is passed on as it is
 OWED_LINES = 64  # a missing gloo number is looked for at the start of this many following lines

@@ -305,7 +305,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
     started = time.perf_counter()
     with run.checkpointing():
         at = (saver.restore() if saver else None) or _resume.Progress()
-    resumed = at.position > 0
+    resumed, first_step = at.position > 0, at.global_step
     terminal = sys.stderr.isatty()
     bar = _fit_io.Progress(rank == 0 and _fit_io.shows_progress(progress, terminal), log and rank == 0, terminal)
     history: list[dict[str, float]] = []
@@ -376,6 +376,7 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 if scalars is not None:
                     _fit_io.write_scalars(scalars, record, losses, lrs, at.global_step, step)
                 bar.end_epoch(record, epochs)
+                _fit_io.report_goodput(rank, run, time.perf_counter() - started, first_step, at.global_step)
                 at.position = 0
             if saver is not None:
                 with run.checkpointing():
@@ -394,4 +395,5 @@ def fit(model: torch.nn.Module, loader: Iterable[Any], optimizer: torch.optim.Op
                 step.sync()  # the model and optimizer hold the trained values (one copy, not per step)
     run.wall_s = time.perf_counter() - started
     bar.end_run(run, history, peak_source if peak is None else None)
+    _fit_io.report_goodput(rank, run, run.wall_s, first_step, at.global_step)
     return history

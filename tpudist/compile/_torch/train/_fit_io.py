@@ -3,6 +3,7 @@ chosen steps."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -94,6 +95,18 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def report_goodput(rank: int, run: Any, wall_s: float, first_step: int, global_step: int) -> None:
+    """Under the launcher (its agent gives each process a private directory), rank 0's goodput so
+    far as one line on stderr, which the launcher reads and the console does not show
+    (contract.GOODPUT_REPORT)."""
+    if rank != 0 or not os.environ.get(contract.DEBUG_DIR):
+        return
+    fields = {"attempt": int(os.environ.get(contract.RESTART) or 0), "wall_s": wall_s,
+              "compile_s": run.compile_s, "data_s": run.data_s, "checkpoint_s": run.checkpoint_s,
+              "first_step": first_step, "global_step": global_step}
+    print(contract.GOODPUT_REPORT + json.dumps(fields), file=sys.stderr, flush=True)
 
 
 def write_scalars(scalars: Any, record: dict[str, float], losses: list[Any], lrs: list[float],
