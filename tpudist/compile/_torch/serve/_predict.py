@@ -26,7 +26,7 @@ import torch
 from tpudist._runtime import process_count, process_index
 from tpudist.collectives import all_gather
 from tpudist.compile._torch.train import _fit_io
-from tpudist.compile._torch.train._fit import _examples
+from tpudist.compile._torch.train._fit_report import examples_in
 from tpudist.compile._torch.train._plan import call_model
 
 __all__ = ["predict"]
@@ -100,7 +100,7 @@ def predict(model: torch.nn.Module, loader: Iterable[Any], *, concat: bool = Fal
                 outputs.append(_on_host(call_model(compiled, batch)))
                 if compiled.stats.compiles != compiles:
                     compiling += time.perf_counter() - called
-                examples += _examples(batch)
+                examples += examples_in(batch)
                 busy = time.perf_counter() - start - compiling
                 bar.update([], examples * parts / max(busy, 1e-9))
     finally:
