@@ -88,7 +88,7 @@ def test_peaks_by_device_kind_and_the_override(monkeypatch):
 
 
 class _SlowTokens(torch.utils.data.Dataset):
-    """Token ids, and a loader that takes `delay` seconds per batch (its collate)."""
+    """Token ids and a label per row."""
 
     def __init__(self, rows: int, length: int, vocab: int):
         g = torch.Generator().manual_seed(0)

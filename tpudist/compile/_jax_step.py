@@ -232,7 +232,7 @@ class CompiledStep:
             hits_before = _persistent_hits
         start = time.perf_counter()
         traced = jitted.trace(*dynamic)
-        flops = model_flops(traced.jaxpr, self.mesh.devices.size if self.mesh is not None else 1)
+        flops = model_flops(traced.jaxpr, self.mesh.devices.size)
         executable = traced.lower().compile()
         if not self.per_device:
             executable = self._pin_outputs(executable, body, donate, dynamic)
