@@ -60,7 +60,7 @@ def _parse_bytes(text: str) -> int:
 
 
 def sizes(max_bytes: int, min_bytes: int = 0) -> list[int]:
-    ladder = [4, 64, 1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    ladder = [4, 64, 1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
     return [s for s in ladder if min_bytes <= s <= max_bytes]
 
 

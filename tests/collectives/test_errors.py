@@ -98,6 +98,10 @@ def mismatches() -> dict:
     out["new_on_one_seconds"] = time.monotonic() - start
     # A value small enough to ride beside the header against one that runs after it.
     out["small_vs_large"] = _error(lambda: tpudist.all_reduce(np.ones(4 if rank == 0 else 5000, np.float32)))
+    # Both values past the payload, of other sizes: every exchange of data is skipped (an unequal
+    # message would abort gloo); a 4-step reduce_scatter the same way.
+    out["large_shapes"] = _error(lambda: tpudist.all_reduce(np.ones(5000 + 1000 * rank, np.float32)))
+    out["large_scatter"] = _error(lambda: tpudist.reduce_scatter(np.ones(4000 + 2000 * rank, np.float32)))
     out["keys"] = _error(lambda: tpudist.all_reduce({"a": f32, "b" if rank == 0 else "c": f32}))
     out["broadcast_keys"] = _error(lambda: tpudist.broadcast({"a": f32, "b" if rank == 0 else "c": f32}))
     # Replica-group layouts that differ, each new to its process (before: every rank waited ~30 s
@@ -129,6 +133,8 @@ def mismatch() -> list[dict]:
     ("cached_shape", ["all_reduce", "shapes", "(4,)", "(2, 2)"]),
     ("new_on_one", ["all_reduce", "dtypes", "float32", "float64"]),
     ("small_vs_large", ["all_reduce", "shapes", "(4,)", "(5000,)"]),
+    ("large_shapes", ["all_reduce", "shapes", "(5000,)", "(6000,)"]),
+    ("large_scatter", ["reduce_scatter", "shapes", "(4000,)", "(6000,)"]),
     ("keys", ["all_reduce", "structure", "'a'", "'b'", "'c'"]),
     ("broadcast_keys", ["broadcast", "structure", "'b'", "'c'"]),
 ])

@@ -3,7 +3,7 @@
 Each process brings a header (rank, call number, a fingerprint of the call's signature) that the
 executable all-gathers first, with a fixed payload beside it: values that fit there ride along and
 each process computes its result from everyone's values; larger values move after the exchange,
-only where every header agrees. `_peers.Peers.mismatch` turns a disagreement into the error.
+each of their exchanges only where every header agrees. `_peers.Peers.mismatch` turns a disagreement into the error.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def agreed(op: Op, lead: tuple[int, int], platform: str, blocks: list[Any]) -> C
     """The executable's body. Its first step all-gathers every process's header with a payload of
     `payload_bytes` beside it. Values that fit in the payload ride there, and each process computes
     its result from everyone's values (the collective's own body, vmapped over its group), kept only
-    where every header agrees; larger values run the collective after the exchange, under a
-    `lax.cond` that skips it where the headers disagree. Either way every process sees the same
-    table of headers and the collective's data never moves between processes that disagree."""
+    where every header agrees; larger values run the collective after the exchange, each of its exchanges of data under a
+    `lax.cond` that skips it where the headers disagree (`_lax.guarded`; the results computed
+    there are never returned: the engine raises). Either way every process sees the same table of
+    headers and the collective's data never moves between processes that disagree."""
     n = lead[0] * lead[1]
     width = payload_bytes(n)
     exchange = "doubling" if platform == "cpu" and n & (n - 1) == 0 else "native"
@@ -74,10 +75,8 @@ def agreed(op: Op, lead: tuple[int, int], platform: str, blocks: list[Any]) -> C
         if riding:
             outs = _from_everyone(op, lead, rows[:, HEADER_BYTES:], xs, agree)
         else:
-            def run(values: list[jax.Array]) -> list[jax.Array]:
-                return [_varying(o) for o in op.body(values, lead[1])]
-            shapes = jax.eval_shape(run, list(xs))
-            outs = lax.cond(agree, run, lambda _: [_varying(jnp.zeros(s.shape, s.dtype)) for s in shapes], list(xs))
+            with _lax.guarded(agree):  # each exchange of data runs only where every header agrees
+                outs = [_varying(o) for o in op.body(list(xs), lead[1])]
         return [_varying(table.reshape((1, 1, n * HEADER)))] + outs
     return body
 

@@ -10,7 +10,8 @@ staging buffers.
 Peers agree on every call, cached signatures included, inside the same executable: each process
 brings a header (its rank, the call's sequence number and a fingerprint of the call's signature,
 pytree structure included) that the executable all-gathers before anything else, and the
-collective itself runs only where every header agrees (`lax.cond`); otherwise every process gets
+collective's exchanges of data run only where every header agrees (`lax.cond`,
+`_lax.guarded`); otherwise every process gets
 the table of headers back and raises a CollectiveError naming both sides (`_peers.Peers.mismatch`).
 Executables of different signatures all start with the same header exchange, so processes that
 called different collectives still meet there instead of mixing float bits with int bits or

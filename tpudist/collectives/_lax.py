@@ -6,7 +6,8 @@ inside a compiled step runs them over a user mesh axis.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,31 @@ from jax import lax
 
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+_GUARD: list[jax.Array] = []  # the eager collectives' agreement flag while their body is traced (`guarded`)
+
+
+@contextlib.contextmanager
+def guarded(agree: jax.Array) -> Iterator[None]:
+    """While tracing a collective's body: every exchange between participants runs only where
+    `agree` (a flag equal in every participant) holds, and gives zeros without moving data where it
+    does not. The local arithmetic around the exchanges stays outside the condition, where XLA
+    parallelises it (a 4 MiB sum inside a `lax.cond` took ~0.6 ms longer on XLA:CPU)."""
+    _GUARD.append(agree)
+    try:
+        yield
+    finally:
+        _GUARD.pop()
+
+
+def _move(exchange: Callable[..., jax.Array], x: jax.Array, *args, **kwargs) -> jax.Array:
+    """`exchange(x, *args, **kwargs)`, a communication primitive, under the guard if one is set."""
+    if not _GUARD:
+        return exchange(x, *args, **kwargs)
+    out = jax.eval_shape(lambda v: exchange(v, *args, **kwargs), x)
+    return lax.cond(_GUARD[-1], lambda v: exchange(v, *args, **kwargs),
+                    lambda v: jnp.zeros(out.shape, out.dtype), x)
 
 
 def _wire(x: jax.Array) -> jax.Array:
@@ -50,21 +76,21 @@ def reduce(x: jax.Array, op: str, axis: str, size: int, scale: float = 1.0,
         out = x.astype(jnp.float32) if dtype in _LOW_PRECISION and op not in ("max", "min") else _wire(x)
         step = 1
         while step < size:
-            out = _COMBINE[op](out, lax.ppermute(out, axis, perm=_partners(size, step)))
+            out = _COMBINE[op](out, _move(lax.ppermute, out, axis, perm=_partners(size, step)))
             step *= 2
         if op == "mean":
             out = out / size
         out = out.astype(dtype)
     elif op == "prod":
-        out = jnp.prod(lax.all_gather(x, axis), axis=0).astype(dtype)
+        out = jnp.prod(_move(lax.all_gather, x, axis), axis=0).astype(dtype)
     elif dtype == jnp.bool_:
-        out = (lax.pmax if op == "max" else lax.pmin)(_wire(x), axis).astype(dtype)
+        out = _move(lax.pmax if op == "max" else lax.pmin, _wire(x), axis).astype(dtype)
     elif op in ("max", "min"):
-        out = (lax.pmax if op == "max" else lax.pmin)(x, axis)
+        out = _move(lax.pmax if op == "max" else lax.pmin, x, axis)
     else:
         # Half-precision sums accumulate in float32, as torch's reductions do.
         wide = x.astype(jnp.float32) if dtype in _LOW_PRECISION else x
-        out = lax.psum(wide, axis)
+        out = _move(lax.psum, wide, axis)
         if op == "mean":
             out = out / size
         out = out.astype(dtype)
@@ -88,7 +114,7 @@ def gather(x: jax.Array, dim: int, axis: str, exchange: str = "native") -> jax.A
         size = lax.psum(1, axis)
         block = _wire(x if x.ndim else x.reshape(1))
         if exchange == "all_to_all":
-            received = lax.all_to_all(jnp.broadcast_to(block, (size,) + block.shape), axis, 0, 0)
+            received = _move(lax.all_to_all, jnp.broadcast_to(block, (size,) + block.shape), axis, 0, 0)
             # (size, *shape): participant j's block at j; concatenated along `dim` in that order
             out = jnp.moveaxis(received, 0, dim).reshape(
                 block.shape[:dim] + (size * block.shape[dim],) + block.shape[dim + 1:])
@@ -96,15 +122,15 @@ def gather(x: jax.Array, dim: int, axis: str, exchange: str = "native") -> jax.A
         position = lax.axis_index(axis)
         out, step = block, 1
         while step < size:
-            other = lax.ppermute(out, axis, perm=_partners(size, step))
+            other = _move(lax.ppermute, out, axis, perm=_partners(size, step))
             # the participant with bit `step` clear holds the lower-ranked half
             out = jnp.where((position & step) == 0, jnp.concatenate([out, other], dim),
                             jnp.concatenate([other, out], dim))
             step *= 2
         return out.astype(x.dtype)
     if x.ndim == 0:
-        return lax.all_gather(_wire(x), axis).astype(x.dtype)
-    return lax.all_gather(_wire(x), axis, axis=dim, tiled=True).astype(x.dtype)
+        return _move(lax.all_gather, _wire(x), axis).astype(x.dtype)
+    return _move(lax.all_gather, _wire(x), axis, axis=dim, tiled=True).astype(x.dtype)
 
 
 def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale: float = 1.0,
@@ -131,18 +157,18 @@ def reduce_scatter(x: jax.Array, op: str, dim: int, axis: str, size: int, scale:
             upper = (position & step) != 0  # chunk `position` is in the upper half of what is left
             mine = lax.dynamic_slice_in_dim(work, jnp.where(upper, step, 0), step, 0)
             theirs = lax.dynamic_slice_in_dim(work, jnp.where(upper, 0, step), step, 0)
-            work = _COMBINE[op](mine, lax.ppermute(theirs, axis, perm=_partners(size, step)))
+            work = _COMBINE[op](mine, _move(lax.ppermute, theirs, axis, perm=_partners(size, step)))
             step //= 2
         out = work[0] / size if op == "mean" else work[0]
         out = out.astype(dtype)
     elif op in ("sum", "mean") and dtype not in _LOW_PRECISION and exchange == "native":
-        out = lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+        out = _move(lax.psum_scatter, x, axis, scatter_dimension=dim, tiled=True)
         if op == "mean":
             out = (out / size).astype(dtype)
     else:
         # Exchange chunks (all_to_all), then reduce the `size` received chunks locally.
         parts = jnp.moveaxis(x.reshape(x.shape[:dim] + (size, chunk) + x.shape[dim + 1:]), dim, 0)
-        received = lax.all_to_all(_wire(parts), axis, 0, 0).astype(dtype)
+        received = _move(lax.all_to_all, _wire(parts), axis, 0, 0).astype(dtype)
         out = _local_reduce(received, op, size)
     if scale != 1.0:
         out = (out * jnp.asarray(scale, dtype)).astype(dtype)
@@ -167,7 +193,7 @@ def all_to_all(x: jax.Array, split_dim: int, concat_dim: int, axis: str) -> jax.
         shape[split_dim] //= size
         shape[concat_dim] *= size
         return _empty(x, tuple(shape))
-    return lax.all_to_all(_wire(x), axis, split_dim, concat_dim, tiled=True).astype(x.dtype)
+    return _move(lax.all_to_all, _wire(x), axis, split_dim, concat_dim, tiled=True).astype(x.dtype)
 
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -185,7 +211,7 @@ def broadcast(x: jax.Array, src: int, axis: str) -> jax.Array:
     raw = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, bits)
     wide = raw.astype(jnp.int32) if raw.dtype.itemsize < 4 else raw
     mine = jnp.where(lax.axis_index(axis) == src, wide, jnp.zeros_like(wide))
-    summed = lax.psum(mine, axis).astype(raw.dtype)
+    summed = _move(lax.psum, mine, axis).astype(raw.dtype)
     if x.dtype == jnp.bool_:
         return summed.astype(jnp.bool_)
     return lax.bitcast_convert_type(summed, x.dtype)
@@ -195,4 +221,4 @@ def permute(x: jax.Array, pairs: Sequence[tuple[int, int]], axis: str) -> jax.Ar
     """Sends each source's value to its destination; participants that receive nothing get zeros."""
     if x.size == 0:
         return x
-    return lax.ppermute(_wire(x), axis, perm=list(pairs)).astype(x.dtype)
+    return _move(lax.ppermute, _wire(x), axis, perm=list(pairs)).astype(x.dtype)
