@@ -71,3 +71,28 @@ def _attention_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, e
 
 
 ATTENTION = torch.ops.tpudist.attention.default
+
+
+@torch.library.custom_op("tpudist::experts", mutates_args=())
+def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, act: str) -> torch.Tensor:
+    """A mixture-of-experts layer's experts as one graph node (`lowering/_experts.py`): each token
+    (row of `hidden`, (T, H)) through its `top_k_index` experts (T, k), weighted by `top_k_weights`
+    and summed; expert e computes `down[e] @ (act(gate) * up)` with `gate, up = gate_up[e] @ x`
+    split in halves. Only captured, never run by torch; this body states the arithmetic."""
+    out = torch.zeros_like(hidden, dtype=torch.promote_types(hidden.dtype, top_k_weights.dtype))
+    fn = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu,
+          "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}[act]
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.where(top_k_index == e)
+        gate, up = torch.nn.functional.linear(hidden[token], gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, token, torch.nn.functional.linear(fn(gate) * up, down[e]) * top_k_weights[token, slot, None])
+    return out.to(hidden.dtype)
+
+
+@experts.register_fake
+def _experts_fake(hidden, top_k_index, top_k_weights, gate_up, down, act):
+    return torch.empty_like(hidden)
+
+
+EXPERTS = torch.ops.tpudist.experts.default

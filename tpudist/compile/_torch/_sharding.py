@@ -32,7 +32,7 @@ OPTIONAL = "?"  # a preset's "colwise?": applied where the module exists and its
 # module path patterns -> style, as torch's parallelize_module plans: attention q/k/v and MLP
 # up/gate column-wise (output features split), output and down projections row-wise (input
 # features split), so each block needs one reduction of its output
-PRESETS: dict[str, dict[str, str]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "llama": {  # Llama, Mistral, Qwen2 and their kin (transformers naming)
         "*.self_attn.q_proj": COLWISE, "*.self_attn.k_proj": COLWISE, "*.self_attn.v_proj": COLWISE,
         "*.self_attn.o_proj": ROWWISE,
@@ -43,12 +43,16 @@ PRESETS: dict[str, dict[str, str]] = {
         "*.attn.c_attn": COLWISE, "*.attn.c_proj": ROWWISE, "*.mlp.c_fc": COLWISE, "*.mlp.c_proj": ROWWISE,
         "*.wte": ROWWISE + OPTIONAL, "lm_head": COLWISE + OPTIONAL,
     },
+    # expert parallelism: transformers' stacked experts (Mixtral, Qwen-MoE, OLMoE: gate_up_proj
+    # (E, 2I, H), down_proj (E, H, I)) split by expert over the "expert" axis (lowering/ops/experts.py)
+    "experts": {"*experts.gate_up_proj": P("expert", None, None), "*experts.down_proj": P("expert", None, None)},
 }
 
 
-def tp_plan(name: str) -> dict[str, str]:
-    """A named tensor-parallel preset ("llama", "gpt2") as its plan: module path patterns to
-    "colwise" / "rowwise", to extend or pass as `Sharding(tp=...)`."""
+def tp_plan(name: str) -> dict[str, Any]:
+    """A named preset ("llama", "gpt2", "experts") as its plan: module path patterns to
+    "colwise" / "rowwise", or parameter name patterns to PartitionSpecs, to extend, merge
+    (`{**tp_plan("llama"), **tp_plan("experts")}`) or pass as `Sharding(tp=...)`."""
     if name not in PRESETS:
         raise ValueError(f"no tensor-parallel preset {name!r}; presets: {sorted(PRESETS)} (or pass a plan: "
                          "{'*.q_proj': 'colwise', '*.o_proj.weight': PartitionSpec(None, 'model'), ...})")
@@ -62,7 +66,7 @@ class Sharding:
     fsdp: True (axis "fsdp") or a mesh axis name: every parameter of at least `min_bytes` is split
         along one dimension over that axis (its largest dimension the axis size divides that no
         tensor-parallel rule split already), with its optimizer state: ZeRO-3.
-    tp: a preset name ("llama", "gpt2") or a plan: glob patterns over module paths mapped to
+    tp: a preset name ("llama", "gpt2", "experts") or a plan: glob patterns over module paths mapped to
         "colwise" / "rowwise" (nn.Linear, transformers' Conv1D, nn.Embedding; over the "model" axis),
         or over parameter names mapped to a `PartitionSpec` naming mesh axes.
     min_bytes: the FSDP size threshold (default 16 KiB).

@@ -35,6 +35,7 @@ from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepe
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
 from tpudist.compile._torch.lowering._outputs import FlatOutputs
 from tpudist.compile._torch.lowering._decompose import decompose, decompositions as _decompositions
+from tpudist.compile._torch.lowering._experts import check_experts, experts_as_one_op
 from tpudist.compile._torch.lowering.ops.ctc import CtcAsOneOp
 from tpudist.compile._torch.lowering._registry import (
     IGNORED_OPS,
@@ -65,7 +66,7 @@ def _autocast(state: tuple) -> Any:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
-            torch_autograd: bool = True, check_ops: bool = True) -> Captured:
+            torch_autograd: bool = True, check_ops: bool = True, experts: bool = False) -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
 
     `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
@@ -75,6 +76,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
     UnsupportedOpError (naming the op and its module path) when the graph holds an op the registry
     cannot lower. `where` names the caller in messages (e.g. "tpudist.fit"). `check_ops=False`
     (tpudist.explain) returns the graph even when ops have no lowering, to list them all.
+    `experts=True` (expert parallelism) captures `transformers`' experts modules as one op each.
     """
     start = time.perf_counter()
     autocast = autocast_state()
@@ -86,12 +88,16 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
             _custom_grad.check_parameter_hooks(getattr(module, "model", module))
     except _custom_grad.CustomGradError as exc:
         raise _custom_grad_error(exc, where) from None
+    if experts:
+        check_experts(module, where)
     with torch.enable_grad(), warnings.catch_warnings(), _custom_grad.intercepted():
         # torch.export's own deprecation noise (it deep-copies pytree specs), printed on every rank
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # the forward enters the autocast itself: one around torch.export is not traced
-            with torch.fx.traceback.preserve_node_meta(), CtcAsOneOp():  # (keeps checkpoint marks: _custom_grad)
+            # (preserve_node_meta keeps checkpoint marks: _custom_grad)
+            with torch.fx.traceback.preserve_node_meta(), CtcAsOneOp(), \
+                    experts_as_one_op(module) if experts else contextlib.nullcontext():
                 before = _host_random_state()
                 program, guard = _export(flat, args, kwargs)
                 if _host_random_state() != before:

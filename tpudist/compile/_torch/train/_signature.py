@@ -22,6 +22,7 @@ from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch.lowering._capture import capture
 from tpudist.compile._torch.lowering._lower import lower
+from tpudist.compile._torch.lowering.ops.experts import EXPERT_AXIS, ExpertLayout, expert_parallel
 from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
 from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
@@ -40,8 +41,10 @@ class Signature:
                  placement: Placement, accumulate: int, max_grad_norm: float | None, name: str,
                  on_compile: Callable[[float], None]):
         from tpudist.compile._jax_step import compile_jax
+        # an "expert" mesh axis: transformers' experts modules as one op, their experts split over it
+        experts = placement.spmd and EXPERT_AXIS in placement.mesh.axis_names
         captured = capture(objective, (example,), {}, where=" (or train with tpudist.eager_step)",
-                           torch_autograd=False)
+                           torch_autograd=False, experts=experts)
         self.capture_seconds = captured.seconds
         self.guard = captured.guard  # data-dependent values it specialised on (see lowering._observed)
         self.mirror, self.placement, self._on_compile = mirror, placement, on_compile
@@ -59,6 +62,8 @@ class Signature:
                                     batch_spec=placement.batch_spec, batch_shards=placement.batch_shards,
                                     mesh=placement.mesh, accumulate=accumulate, random=self.random,
                                     max_norm=max_grad_norm)
+            if experts:
+                body = _expert_parallel(body, ExpertLayout(placement.mesh, placement.batch_axes))
             split = placement.batch_spec
             loss_spec, per_device = P(), False
         else:
@@ -174,6 +179,14 @@ def _pooled(body: Callable[..., StepOutputs], state: StatePool) -> Callable[...,
         return out._replace(params=packing.pack(flat), states=[])
 
     return pooled
+
+
+def _expert_parallel(body: Callable[..., StepOutputs], layout: ExpertLayout) -> Callable[..., StepOutputs]:
+    """`body` traced with its experts ops split over the mesh's expert axis (`ops/experts.py`)."""
+    def traced(*args):
+        with expert_parallel(layout):
+            return body(*args)
+    return traced
 
 
 def _averages(devices: int, layout: Layout) -> bool:
