@@ -108,10 +108,12 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
                 _set_xla_flag(_DEVICE_COUNT_FLAG, job.cpu_devices)
         # XLA's CPU (gloo) collectives then fail after this long instead of waiting forever.
         _set_xla_flag(_COLLECTIVE_TIMEOUT_FLAG, math.ceil(job.collective_timeout))
-        if job.world_size > 1 and job.cpu_devices is not None and _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        several = job.world_size > 1 or (job.cpu_devices or 1) > 1
+        if several and job.cpu_devices is not None and _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
             # XLA:CPU's concurrency-optimized scheduler let two devices of one process enter a
-            # program's collective-permutes and all-reduces in different orders; over gloo between
-            # processes that deadlocked a tensor-parallel step (docs/sharding.md, known issues)
+            # program's collectives in different orders; that deadlocked a tensor-parallel step over
+            # gloo between processes, and an expert-parallel one between one process's devices
+            # (docs/sharding.md, known issues)
             _set_xla_flag(_SCHEDULER_FLAG, "false")
         _configure_jax(job)
         if job.world_size > 1:

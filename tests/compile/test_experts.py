@@ -58,7 +58,8 @@ def train(axes: dict) -> dict:
     model = mixtral()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     mesh = tpudist.mesh.make_mesh(axes)
-    step = tpudist.compile_train_step(model, None, opt, mesh=mesh, sharding=tpudist.Sharding(fsdp=True, tp="experts"))
+    step = tpudist.compile_train_step(model, None, opt, mesh=mesh,
+                                      sharding=tpudist.Sharding(fsdp="fsdp" in axes, tp="experts"))
     rank, rows = jax.process_index(), GLOBAL_ROWS // jax.process_count()
     losses = [float(step({k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()})) for b in batches()]
     entries = {id(e.param): i for i, e in enumerate(step.layout.entries)}
@@ -80,6 +81,15 @@ def test_mixtral_under_expert_parallel_x_fsdp_trains_as_eager_torch(expert_paral
     for result in expert_parallel:
         for part in ("losses", "state"):
             assert_as_accurate_as_eager(result[part], want[part], exact[part])
+
+
+def test_expert_parallel_beside_data_parallel_trains_as_eager_torch():
+    result = run_on_mesh(train, nprocs=1, cpu_devices=4, timeout=600, kwargs={"axes": {"data": 2, "expert": 2}})[0]
+    want, exact = eager(torch.float32), eager(torch.float64)
+    for part in ("losses", "state"):
+        assert_as_accurate_as_eager(result[part], want[part], exact[part])
+    for name, (shape, local) in result["shards"].items():
+        assert all(block[0] == EXPERTS // 2 and block[1:] == shape[1:] for block in local), (name, local)
 
 
 def test_each_device_holds_its_experts_only_and_tokens_travel_by_all_to_all(expert_parallel):
@@ -124,6 +134,25 @@ def test_a_checkpoint_saved_under_expert_parallel_restores_as_plain_fsdp_and_tra
     for result in resumed:
         assert_as_accurate_as_eager(result["state"], want, exact)
         assert "expert" not in tuple(result["layout"]), result["layout"]
+
+
+def served() -> dict:
+    model = mixtral().eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        tpudist.parallelize(model, tpudist.mesh.make_mesh({"expert": 2, "data": 2}), "experts")
+        compiled = tpudist.compile(model)
+        got = compiled(input_ids=ids).logits
+    texts = [c.as_text() for c in compiled.last_program._executables.laid_out._compiled.values()]
+    return {"error": float((got - want).abs().max()), "scale": float(want.abs().max()),
+            "all_to_all": [t.count("all-to-all(") for t in texts]}
+
+
+def test_a_model_laid_out_over_an_expert_axis_serves_through_tpudist_compile():
+    result = run_on_mesh(served, nprocs=1, cpu_devices=4, timeout=300)[0]
+    assert result["error"] <= 1e-5 * result["scale"], result
+    assert result["all_to_all"] and all(n >= 2 for n in result["all_to_all"]), result
 
 
 def unsupported_experts() -> str:

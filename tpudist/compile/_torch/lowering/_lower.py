@@ -8,6 +8,7 @@ A lowering that fails while tracing is an UnsupportedOpError naming the op and i
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -21,6 +22,7 @@ from tpudist.compile._torch.lowering._captured import Captured, module_path
 from tpudist.compile._torch._convert import jax_dtype
 from tpudist.compile._torch.lowering._custom_grad import REMAT
 from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, current, sequence_split
 from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
 from tpudist.compile._torch.lowering.ops import linalg
 
@@ -44,6 +46,8 @@ def lower(captured: Captured, scan: bool = True) -> Callable[[Sequence[jax.Array
 
     def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
+        layout = current()  # context parallelism: activations kept split over the sequence
+        split = layout is not None and layout.sequence is not None and layout.size(CONTEXT_AXIS) > 1
         env: dict[torch.fx.Node, Any] = dict(literals)
         env.update(zip(tensor_placeholders, tensors))
         for step in steps:
@@ -53,20 +57,23 @@ def lower(captured: Captured, scan: bool = True) -> Callable[[Sequence[jax.Array
             elif isinstance(step, Scan):
                 _scan(step, env, pieces, key, positions)
             else:
-                _evaluate(step, env, {}, pieces, key, positions)
+                _evaluate(step, env, {}, pieces, key, positions, split)
+                if split and step in env:
+                    env[step] = sequence_split(env[step])
         output = next(n for n in nodes if n.op == "output")
         return tuple(_read(value, env) for value in output.args[0])
 
     return run
 
 
-def _evaluate(node: torch.fx.Node, env: dict, splits: dict, pieces: dict, key: Any, positions: dict) -> None:
+def _evaluate(node: torch.fx.Node, env: dict, splits: dict, pieces: dict, key: Any, positions: dict,
+              split: bool = False) -> None:
     if node in pieces:
         env[node] = _conform(_piece(pieces[node], env, splits), node)
     elif node.target is operator.getitem:
         env[node] = _conform(env[node.args[0]][node.args[1]], node)
     elif node.target not in IGNORED_OPS:
-        env[node] = _apply(node, env, key, positions[node])
+        env[node] = _apply(node, env, key, positions[node], split)
 
 
 @dataclass
@@ -266,8 +273,39 @@ def _transposed_matrix(operand: Any) -> torch.fx.Node | None:
     return source if isinstance(value, torch.Tensor) and value.ndim == 2 else None
 
 
-def _apply(node: torch.fx.Node, env: dict, key: Any, position: int) -> Any:
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+
+
+def _unflattened_linear(node: torch.fx.Node, env: dict) -> Any:
+    """For `view(addmm(b, view(x, (n, k)), w.t()), (*lead, m))`, the decomposition of `linear` on an
+    (*lead, k) input: `x @ w.T + b` on `x` as it is, None for any other view. Used where the
+    sequence is split over a "context" axis: flattening (batch, sequence) into one dim would make
+    XLA's partitioner gather the sequence around every linear layer."""
+    product = node.args[0]
     aten = torch.ops.aten
+    if not isinstance(product, torch.fx.Node) or product.kwargs \
+            or product.target not in (aten.mm.default, aten.addmm.default):
+        return None
+    matrix, flat = (product.args[1], product.args[0]) if product.target is aten.mm.default else product.args[2:0:-1]
+    weight = _transposed_matrix(matrix)
+    if weight is None or weight not in env or not isinstance(flat, torch.fx.Node) or flat.target not in _VIEWS:
+        return None
+    x = flat.args[0]
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.ndim < 3 or x not in env \
+            or tuple(flat.meta["val"].shape) != (math.prod(value.shape[:-1]), value.shape[-1]) \
+            or tuple(node.meta["val"].shape) != (*value.shape[:-1], product.meta["val"].shape[-1]):
+        return None
+    out = linalg.contract_last(env[x], env[weight])
+    return out if product.target is aten.mm.default else linalg.with_bias(_read(product.args[0], env), out)
+
+
+def _apply(node: torch.fx.Node, env: dict, key: Any, position: int, split: bool = False) -> Any:
+    aten = torch.ops.aten
+    if split and node.target in _VIEWS:
+        unflattened = _unflattened_linear(node, env)
+        if unflattened is not None:
+            return _conform(unflattened, node)
     if node.target is aten.bmm.default:
         weight = _broadcast_matrix(node.args[1])
         if weight is not None and weight in env:

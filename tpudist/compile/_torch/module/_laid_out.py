@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tpudist.compile._torch._convert import to_host
 from tpudist.compile._torch._placement import relaid
 from tpudist.compile._torch.lowering._captured import Captured
+from tpudist.compile._torch.lowering._parallel import MeshLayout, laid_out
 
 
 class MeshRun:
@@ -56,7 +57,8 @@ class MeshRun:
                         free.add(scatters[j].values)
             outs = tuple(None if j in free else arrays[written[j]].sharding if j in written else layout.replicated
                          for j in range(self._outputs))
-            compiled = _donating(self._run, donate, outs).lower(*_split(arrays, donate), seed).compile()
+            with laid_out(MeshLayout(layout.mesh, ())):  # experts split over an "expert" axis (ops/experts.py)
+                compiled = _donating(self._run, donate, outs).lower(*_split(arrays, donate), seed).compile()
             self.compiles += 1
             if not learn:
                 self._compiled[key] = compiled

@@ -14,7 +14,8 @@ from tpudist.compile._torch.lowering._capture import autocast_state, capture
 from tpudist.compile._torch.lowering._observed import recaptured
 from tpudist.compile._torch.module._program import Program
 from tpudist.compile._torch._stats import CaptureStats
-from tpudist.compile._torch._layout import capturing
+from tpudist.compile._torch._layout import capturing, layout_of_tensor
+from tpudist.compile._torch.lowering._parallel import EXPERT_AXIS
 from tpudist.compile._torch._sync import leaf_key, sync_module
 
 
@@ -89,8 +90,11 @@ class CompiledModule(torch.nn.Module):
             program = None
             recaptured(stats, guard, type(self.module).__name__)
         if program is None:
+            laid = next(filter(None, map(layout_of_tensor, self.module.parameters())), None)
             with capturing(itertools.chain(self.module.parameters(), leaves)):  # a laid-out model's placeholders
-                captured = capture(self.module, args, kwargs)
+                # laid out over an "expert" axis: transformers' experts modules as one op (expert parallelism)
+                captured = capture(self.module, args, kwargs,
+                                   experts=laid is not None and EXPERT_AXIS in laid.mesh.axis_names)
             program = self._programs[key] = Program(self.module, captured, self._long_lived)
             stats.compiles += 1
             stats.capture_seconds += captured.seconds

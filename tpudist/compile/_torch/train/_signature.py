@@ -22,7 +22,7 @@ from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch.lowering._capture import capture
 from tpudist.compile._torch.lowering._lower import lower
-from tpudist.compile._torch.lowering.ops.experts import EXPERT_AXIS, ExpertLayout, expert_parallel
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, EXPERT_AXIS, MeshLayout, laid_out
 from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
 from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
@@ -58,12 +58,13 @@ class Signature:
                     "tpudist.explain); the sharded fused step does not specialise on them yet: train it "
                     "data-parallel (no sharding=) or make those values static")
             param_specs = [placement.param_split(e) for e in layout.entries]
-            body = make_global_body(self.plan, layout, lower(captured), specs=param_specs,
+            # context parallelism: layers unscanned (XLA's partitioner keeps a scan's saved activations whole)
+            scan = CONTEXT_AXIS not in placement.mesh.axis_names
+            body = make_global_body(self.plan, layout, lower(captured, scan=scan), specs=param_specs,
                                     batch_spec=placement.batch_spec, batch_shards=placement.batch_shards,
                                     mesh=placement.mesh, accumulate=accumulate, random=self.random,
                                     max_norm=max_grad_norm)
-            if experts:
-                body = _expert_parallel(body, ExpertLayout(placement.mesh, placement.batch_axes))
+            body = _laid_out(body, MeshLayout(placement.mesh, placement.batch_axes, _sequence(example)))
             split = placement.batch_spec
             loss_spec, per_device = P(), False
         else:
@@ -181,10 +182,17 @@ def _pooled(body: Callable[..., StepOutputs], state: StatePool) -> Callable[...,
     return pooled
 
 
-def _expert_parallel(body: Callable[..., StepOutputs], layout: ExpertLayout) -> Callable[..., StepOutputs]:
-    """`body` traced with its experts ops split over the mesh's expert axis (`ops/experts.py`)."""
+def _sequence(example: Any) -> int | None:
+    """The batch's sequence length: dim 1 of its first tensor of 2 or more dims (context parallelism)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(example) if isinstance(t, torch.Tensor) and t.ndim >= 2]
+    return int(leaves[0].shape[1]) if leaves else None
+
+
+def _laid_out(body: Callable[..., StepOutputs], layout: MeshLayout) -> Callable[..., StepOutputs]:
+    """`body` traced with its mesh known to the lowerings that split work over its axes (experts
+    over "expert", attention's sequence over "context": `lowering/_parallel.py`)."""
     def traced(*args):
-        with expert_parallel(layout):
+        with laid_out(layout):
             return body(*args)
     return traced
 

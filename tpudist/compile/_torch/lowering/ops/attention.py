@@ -15,8 +15,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from tpudist.compile._torch._custom_ops import ATTENTION
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, current
 from tpudist.compile._torch.lowering._table import keep_whole, register
 from tpudist.compile._torch.lowering.ops._util import in_float32, unsupported_arg
 from tpudist.compile._torch.lowering.ops.linalg import accumulation
@@ -38,6 +41,10 @@ def attention(*args):
         group = q.shape[-3] // k.shape[-3]
         if not gqa and group != 1:
             raise ValueError(f"query has {q.shape[-3]} heads and key {k.shape[-3]}; pass enable_gqa=True")
+    layout = current()
+    if layout is not None and layout.size(CONTEXT_AXIS) > 1 and q.ndim == 4 and q.shape[-2] == k.shape[-2]:
+        return _context_parallel(layout.mesh, layout.size(CONTEXT_AXIS), key, q, k, v, mask, dropout_p, causal,
+                                 scale)
     if key is None and q.ndim == 4 and q.shape[-1] == v.shape[-1] and jax.default_backend() != "cpu":
         bias = mask if mask is not None and mask.dtype != jnp.bool_ else None
         keep = mask if mask is not None and mask.dtype == jnp.bool_ else None
@@ -51,6 +58,43 @@ def attention(*args):
             out = jnp.where(_attends_nowhere(mask), 0, out).astype(out.dtype)
         return out
     return _math(key, q, k, v, mask, dropout_p, causal, scale)
+
+
+def _context_parallel(mesh, devices, key, q, k, v, mask, dropout_p, causal, scale):
+    """Self-attention with its sequence split over the mesh's "context" axis: each device keeps its
+    block of queries (its block of the sequence), all-gathers the keys and values, and attends with
+    the rows of the causal mask and of `mask` that belong to its queries. Every device computes
+    rows x length scores, so a causal attention's work is even across them without reordering the
+    sequence (at twice the causal minimum)."""
+    length = q.shape[-2]
+    if length % devices:
+        raise ValueError(f"context parallelism: a sequence of {length} positions does not split over the {devices} "
+                         f"devices of mesh axis {CONTEXT_AXIS!r}; pad the sequence to a multiple of {devices}")
+    rows = length // devices
+    split = P(None, None, CONTEXT_AXIS, None)
+    mask_split = P() if mask is None or mask.shape[-2] == 1 else P(*([None] * (mask.ndim - 2)), CONTEXT_AXIS, None)
+
+    def local(q, k, v, mask, key):
+        k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
+        first = lax.axis_index(CONTEXT_AXIS) * rows
+        if causal:
+            keep = (first + jnp.arange(rows))[:, None] >= jnp.arange(length)[None, :]
+            mask = keep if mask is None else (mask & keep if mask.dtype == jnp.bool_ else jnp.where(keep, mask, -jnp.inf))
+        if key is not None:
+            key = jax.random.fold_in(key, lax.axis_index(CONTEXT_AXIS))  # each block its own dropout draws
+        return _math(key, q, k, v, mask, dropout_p, False, scale)
+
+    inputs = [q, k, v, mask, key]
+    specs = [split, split, split, mask_split, P()]
+    present = [i for i, x in enumerate(inputs) if x is not None]
+
+    def body(*given):
+        full = [None] * len(inputs)
+        for i, x in zip(present, given):
+            full[i] = x
+        return local(*full)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs[i] for i in present), out_specs=split,
+                         axis_names={CONTEXT_AXIS}, check_vma=False)(*(inputs[i] for i in present))
 
 
 def _attends_nowhere(mask):

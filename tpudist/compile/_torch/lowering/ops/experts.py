@@ -19,11 +19,7 @@ same op runs on one device's experts (the blocks and exchanges fall away).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +27,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpudist.compile._torch._custom_ops import EXPERTS
+from tpudist.compile._torch.lowering._parallel import EXPERT_AXIS, current
 from tpudist.compile._torch.lowering._table import register
 
-EXPERT_AXIS = "expert"
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -42,35 +38,13 @@ ACTIVATIONS = {
 }
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """The mesh the step runs on, its expert axis and the axes its batch is split over."""
-
-    mesh: Any
-    batch_axes: tuple[str, ...]
-    axis: str = EXPERT_AXIS
-
-
-_LAYOUT: list[ExpertLayout] = []
-
-
-@contextlib.contextmanager
-def expert_parallel(layout: ExpertLayout) -> Iterator[None]:
-    """While a sharded step is traced: `tpudist::experts` splits its experts over `layout.axis`."""
-    _LAYOUT.append(layout)
-    try:
-        yield
-    finally:
-        _LAYOUT.pop()
-
-
 @register(EXPERTS)
 def experts(hidden, top_k_index, top_k_weights, gate_up, down, act):
-    if not _LAYOUT:
+    layout = current()
+    if layout is None or layout.size(EXPERT_AXIS) == 1:
         return _local(hidden, top_k_index, top_k_weights, gate_up, down, act, axis=None, devices=1)
-    layout = _LAYOUT[-1]
-    mesh, axis = layout.mesh, layout.axis
-    devices = mesh.shape[axis]
+    mesh, axis = layout.mesh, EXPERT_AXIS
+    devices = layout.size(axis)
     count = gate_up.shape[0]
     if count % devices:
         raise ValueError(f"expert parallelism: {count} experts do not split over the {devices} devices of mesh axis "

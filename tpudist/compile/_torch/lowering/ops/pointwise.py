@@ -165,9 +165,11 @@ def clamp(x, min=None, max=None, at_min=1.0, at_max=1.0):
 
 def _passes_at_bound(op, *args) -> float:
     """The share of the gradient the running torch's `op` gives x where x equals the bound (1.0):
-    all of it up to torch 2.13; from 2.14 none for a scalar bound, half for a tensor bound."""
-    x = torch.ones(1, requires_grad=True)
-    (grad,) = torch.autograd.grad(op(x, *args).sum(), x)
+    all of it up to torch 2.13; from 2.14 none for a scalar bound, half for a tensor bound. (Asked
+    with gradients on: this module may first be imported inside a user's `torch.no_grad()`.)"""
+    with torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        (grad,) = torch.autograd.grad(op(x, *args).sum(), x)
     return float(grad.item())
 
 
