@@ -1,6 +1,7 @@
-"""Expert parallelism in the fused step: a `transformers` Mixtral (stacked experts, top-2 routing,
-its load-balancing loss) on a mesh with an "expert" axis, against eager torch on the global batch,
-on a CPU mesh of 2 processes x 2 devices; where each expert's weights live, read from the arrays."""
+"""Expert parallelism: a `transformers` Mixtral (stacked experts, top-2 routing, the load-balancing
+loss) on meshes with an "expert" axis, trained by the fused step against eager torch on the global
+batch (2 processes x 2 devices, and one process of 4) and served through `tpudist.compile`; where
+each expert's weights live, read from the arrays."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ GLOBAL_ROWS, SEQ, STEPS, EXPERTS, VOCAB = 8, 8, 3, 4, 64
 def mixtral(experts_implementation: str | None = None) -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
     torch.manual_seed(0)
-    config = MixtralConfig(experts_implementation=experts_implementation, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
-                           num_local_experts=EXPERTS, num_experts_per_tok=2, output_router_logits=True,
-                           router_aux_loss_coef=0.02)
+    config = MixtralConfig(experts_implementation=experts_implementation, vocab_size=VOCAB, hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                           max_position_embeddings=32, num_local_experts=EXPERTS, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.02)
     return MixtralForCausalLM(config)
 
 
@@ -83,8 +84,18 @@ def test_mixtral_under_expert_parallel_x_fsdp_trains_as_eager_torch(expert_paral
             assert_as_accurate_as_eager(result[part], want[part], exact[part])
 
 
-def test_expert_parallel_beside_data_parallel_trains_as_eager_torch():
-    result = run_on_mesh(train, nprocs=1, cpu_devices=4, timeout=600, kwargs={"axes": {"data": 2, "expert": 2}})[0]
+def in_one_process() -> dict:
+    """The single-process cases, on one process of 4 devices (one start-up for all of them)."""
+    return {"data_x_expert": train({"data": 2, "expert": 2}), "served": served(), "unsupported": unsupported_experts()}
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    return run_on_mesh(in_one_process, nprocs=1, cpu_devices=4, timeout=900)[0]
+
+
+def test_expert_parallel_beside_data_parallel_trains_as_eager_torch(one_process):
+    result = one_process["data_x_expert"]
     want, exact = eager(torch.float32), eager(torch.float64)
     for part in ("losses", "state"):
         assert_as_accurate_as_eager(result[part], want[part], exact[part])
@@ -149,8 +160,8 @@ def served() -> dict:
             "all_to_all": [t.count("all-to-all(") for t in texts]}
 
 
-def test_a_model_laid_out_over_an_expert_axis_serves_through_tpudist_compile():
-    result = run_on_mesh(served, nprocs=1, cpu_devices=4, timeout=300)[0]
+def test_a_model_laid_out_over_an_expert_axis_serves_through_tpudist_compile(one_process):
+    result = one_process["served"]
     assert result["error"] <= 1e-5 * result["scale"], result
     assert result["all_to_all"] and all(n >= 2 for n in result["all_to_all"]), result
 
@@ -159,14 +170,14 @@ def unsupported_experts() -> str:
     model = mixtral()
     model.model.layers[1].mlp.experts.has_bias = True  # a flag of transformers' experts the op does not compute
     step = tpudist.compile_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                                      mesh=tpudist.mesh.make_mesh({"expert": 2}), sharding="experts")
+                                      mesh=tpudist.mesh.make_mesh({"data": -1, "expert": 2}), sharding="experts")
     ids = torch.randint(0, VOCAB, (2, SEQ))
     with pytest.raises(NotImplementedError) as info:
         step({"input_ids": ids, "labels": ids})
     return str(info.value)
 
 
-def test_experts_the_op_cannot_compute_exactly_are_an_error_naming_them():
-    message = run_on_mesh(unsupported_experts, nprocs=1, cpu_devices=2, timeout=300)[0]
+def test_experts_the_op_cannot_compute_exactly_are_an_error_naming_them(one_process):
+    message = one_process["unsupported"]
     assert "model.layers.1.mlp.experts" in message and "has_bias=True" in message, message
     assert "without an 'expert' mesh axis" in message, message

@@ -95,6 +95,8 @@ def experts_as_one_op(model: torch.nn.Module) -> Iterator[None]:
 def _as_op(module: torch.nn.Module) -> Any:
     act = activation(module)
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        # (hidden_states, top_k_index, top_k_weights), as the model passes them (names differ by family)
+        hidden_states, top_k_index, top_k_weights = (*args, *kwargs.values())
         return EXPERTS(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, act)
     return forward

@@ -1,7 +1,8 @@
 """A mixture-of-experts layer's experts as one op (`tpudist::experts`), and expert parallelism.
 
 Capture turns a `transformers` experts module (stacked `gate_up_proj` (E, 2I, H) and `down_proj`
-(E, H, I), see `lowering/_experts.py`) into this one op when the step's mesh has an "expert" axis.
+(E, H, I), see `lowering/_experts.py`) into this one op when the mesh (a sharded fused step's, or
+a model's laid out by `tpudist.parallelize`) has an "expert" axis.
 Its lowering sends each (token, expert) pair to the device that holds the expert and back, inside
 the executable:
 
@@ -13,8 +14,8 @@ the executable:
 
 No token is dropped: each block has room for every pair of the sending device (all of them may
 choose one device's experts), so the exchange moves N times the pairs' bytes over N devices: the
-price of exact results without a capacity factor. Without an expert axis the
-same op runs on one device's experts (the blocks and exchanges fall away).
+price of exact results without a capacity factor. Without an expert axis the same op runs on one
+device's experts (the blocks and exchanges fall away).
 """
 
 from __future__ import annotations
