@@ -108,8 +108,8 @@ def init(environ: Any = None, *, handle_sigterm: bool = True) -> contract.JobEnv
                 _set_xla_flag(_DEVICE_COUNT_FLAG, job.cpu_devices)
         # XLA's CPU (gloo) collectives then fail after this long instead of waiting forever.
         _set_xla_flag(_COLLECTIVE_TIMEOUT_FLAG, math.ceil(job.collective_timeout))
-        several = job.world_size > 1 or (job.cpu_devices or 1) > 1
-        if several and job.cpu_devices is not None and _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        several = job.cpu_devices is not None and (job.world_size > 1 or job.cpu_devices > 1)
+        if several and _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
             # XLA:CPU's concurrency-optimized scheduler let two devices of one process enter a
             # program's collectives in different orders; that deadlocked a tensor-parallel step over
             # gloo between processes, and an expert-parallel one between one process's devices

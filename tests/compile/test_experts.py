@@ -36,6 +36,12 @@ def batches():
         yield {"input_ids": ids, "labels": ids}
 
 
+def mine(batch: dict) -> dict:
+    """This process's rows of a global batch."""
+    rank, rows = jax.process_index(), GLOBAL_ROWS // jax.process_count()
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+
+
 def eager(dtype: torch.dtype) -> dict:
     """Eager torch on the global batches; the loss is the model's (next-token cross entropy plus the
     router's load-balancing loss), computed in `dtype` (transformers' own casts logits to float32).
@@ -59,13 +65,13 @@ def train(axes: dict) -> dict:
     model = mixtral()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     mesh = tpudist.mesh.make_mesh(axes)
-    step = tpudist.compile_train_step(model, None, opt, mesh=mesh,
-                                      sharding=tpudist.Sharding(fsdp="fsdp" in axes, tp="experts"))
-    rank, rows = jax.process_index(), GLOBAL_ROWS // jax.process_count()
-    losses = [float(step({k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()})) for b in batches()]
+    sharding = tpudist.Sharding(fsdp="fsdp" in axes, tp="experts")
+    step = tpudist.compile_train_step(model, None, opt, mesh=mesh, sharding=sharding)
+    losses = [float(step(mine(b))) for b in batches()]
     entries = {id(e.param): i for i, e in enumerate(step.layout.entries)}
-    shards = {name: (tuple(p.shape), [tuple(s.data.shape) for s in step.mirror.params[entries[id(p)]].addressable_shards])
-              for name, p in model.named_parameters() if ".experts." in name}
+    def blocks(p: torch.nn.Parameter) -> list[tuple[int, ...]]:
+        return [tuple(s.data.shape) for s in step.mirror.params[entries[id(p)]].addressable_shards]
+    shards = {name: (tuple(p.shape), blocks(p)) for name, p in model.named_parameters() if ".experts." in name}
     state = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
     hlo = next(iter(step._programs.values())).executable.as_text()
     return {"losses": {"loss": np.array(losses)}, "state": state, "shards": shards,
@@ -124,9 +130,8 @@ def save_then_restore(directory: str, axes: dict, sharding, save_at: int | None)
     if save_at is None:
         start, state = tpudist.checkpoint.restore(directory, like=step.state())
         step.load_state(state)
-    rank, rows = jax.process_index(), GLOBAL_ROWS // jax.process_count()
     for batch in data[start:save_at]:
-        step({k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()})
+        step(mine(batch))
     if save_at is not None:
         tpudist.checkpoint.save(directory, save_at, step.state())
         return {}

@@ -3,7 +3,8 @@
 Each process brings a header (rank, call number, a fingerprint of the call's signature) that the
 executable all-gathers first, with a fixed payload beside it: values that fit there ride along and
 each process computes its result from everyone's values; larger values move after the exchange,
-each of their exchanges only where every header agrees. `_peers.Peers.mismatch` turns a disagreement into the error.
+each of their exchanges only where every header agrees. `_peers.Peers.mismatch` turns a
+disagreement into the error.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def agreed(op: Op, lead: tuple[int, int], platform: str, blocks: list[Any]) -> C
     """The executable's body. Its first step all-gathers every process's header with a payload of
     `payload_bytes` beside it. Values that fit in the payload ride there, and each process computes
     its result from everyone's values (the collective's own body, vmapped over its group), kept only
-    where every header agrees; larger values run the collective after the exchange, each of its exchanges of data under a
-    `lax.cond` that skips it where the headers disagree (`_lax.guarded`; the results computed
-    there are never returned: the engine raises). Either way every process sees the same table of
+    where every header agrees; larger values run the collective after the exchange, each of its
+    exchanges of data under a `lax.cond` that skips it where the headers disagree (`_lax.guarded`;
+    the results computed there are never returned: the engine raises). Either way every process sees the same table of
     headers and the collective's data never moves between processes that disagree."""
     n = lead[0] * lead[1]
     width = payload_bytes(n)

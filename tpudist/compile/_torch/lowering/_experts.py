@@ -33,11 +33,8 @@ def activation(module: torch.nn.Module) -> str | None:
 
 
 def why_not(module: torch.nn.Module) -> str | None:
-    """None when `module` is an experts module the op computes exactly, else what differs."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-            and gate_up.ndim == 3 and down.ndim == 3):
-        return "not stacked expert weights"
+    """None when an experts module (`experts_modules`) is one the op computes exactly, else what differs."""
+    gate_up, down = module.gate_up_proj, module.down_proj
     if not hasattr(module, "has_gate"):  # not through transformers' use_experts_implementation: its own forward
         return "a forward of its own (not transformers' use_experts_implementation)"
     flags = {"has_gate": True, "has_bias": False, "is_concatenated": True, "is_transposed": False,
@@ -59,10 +56,10 @@ def why_not(module: torch.nn.Module) -> str | None:
 def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The modules of `model` that look like `transformers`' experts (stacked 3-d `gate_up_proj`
     and `down_proj`), by path."""
-    return {path: m for path, m in model.named_modules()
-            if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
-            and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)
-            and getattr(m, "gate_up_proj").ndim == 3}
+    def stacked(m: torch.nn.Module, name: str) -> bool:
+        weight = getattr(m, name, None)
+        return isinstance(weight, torch.nn.Parameter) and weight.ndim == 3
+    return {path: m for path, m in model.named_modules() if stacked(m, "gate_up_proj") and stacked(m, "down_proj")}
 
 
 def check_experts(model: torch.nn.Module, where: str = "") -> None:

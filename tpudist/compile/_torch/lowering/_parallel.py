@@ -1,17 +1,22 @@
 """The mesh a sharded step is traced for, as the lowerings that split work over its axes read it.
 
-While `make_global_body`'s program is traced (`laid_out`), `current()` names the mesh and the
-axes its batch is split over; `ops/experts.py` splits a mixture-of-experts layer's experts over an
-"expert" axis and `ops/attention.py` an attention's sequence over a "context" axis. Elsewhere
-(one device, the data-parallel step, inference) `current()` is None and they compute unsplit.
+While a sharded fused step's program, or a laid-out model's (`tpudist.parallelize`), is traced
+(`laid_out`), `current()` names the mesh and the axes its batch is split over; `ops/experts.py`
+splits a mixture-of-experts layer's experts over an "expert" axis and `ops/attention.py` an
+attention's sequence over a "context" axis. Elsewhere (one device, the data-parallel step)
+`current()` is None and they compute unsplit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 EXPERT_AXIS = "expert"    # mixture-of-experts layers: experts split over it (expert parallelism)
 CONTEXT_AXIS = "context"  # attention: the sequence split over it (context parallelism)
@@ -38,10 +43,6 @@ def sequence_split(value: Any) -> Any:
     layout = current()
     if layout is None or layout.sequence is None or layout.size(CONTEXT_AXIS) == 1:
         return value
-    import math
-
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
     rows = math.prod(layout.size(a) for a in layout.batch_axes)
     if not isinstance(value, jax.Array) or value.ndim < 2 or value.shape[1] != layout.sequence \
             or value.shape[0] % rows:

@@ -29,7 +29,7 @@ from jax import lax
 from tpudist import contract
 from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch._placement import AXIS
-from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, sequence_split
 from tpudist.compile._torch.train._plan import Feed, Layout, Plan
 from tpudist.compile._torch.lowering.ops.collective import over_axis
 
@@ -220,11 +220,10 @@ def _clip(grads: list[jax.Array], sharded: list[bool], max_norm: float) -> list[
     return [(g * coef).astype(g.dtype) for g in grads]
 
 
-def _sequence_split(leaf: jax.Array, index: int, mesh: Any, batch_spec: Any) -> jax.Array:
+def _sequence_split(leaf: jax.Array, index: int, mesh: Any) -> jax.Array:
     """With a "context" mesh axis (context parallelism): a batch leaf of 2 or more dims with its
     dim 1, the sequence, split over that axis (a local slice: the batch arrives whole on it), so
     every activation computed from it is split the same way (attention: `ops/attention.py`)."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
     devices = dict(mesh.shape).get(CONTEXT_AXIS, 1)
     if devices == 1 or leaf.ndim < 2:
         return leaf
@@ -232,8 +231,7 @@ def _sequence_split(leaf: jax.Array, index: int, mesh: Any, batch_spec: Any) -> 
         raise ValueError(f"context parallelism splits dim 1 (the sequence) of every batch tensor of 2 or more dims "
                          f"over the {devices} devices of mesh axis {CONTEXT_AXIS!r}; batch tensor #{index} has shape "
                          f"{tuple(leaf.shape)}: pad its sequence to a multiple of {devices}")
-    rows = tuple(batch_spec)[0] if tuple(batch_spec) else None
-    return lax.with_sharding_constraint(leaf, NamedSharding(mesh, P(rows, CONTEXT_AXIS)))
+    return sequence_split(leaf)
 
 
 def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, specs: list[Any], batch_spec: Any,
@@ -276,7 +274,7 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
         else:
             key = None
         own = [params[i] for i in trainable]
-        batch = [_sequence_split(b, i, mesh, batch_spec) for i, b in enumerate(batch)]
+        batch = [_sequence_split(b, i, mesh) for i, b in enumerate(batch)]
         grad_fn = gradient if accumulate == 1 else accumulated
         (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
         grads = [lax.with_sharding_constraint(g, s) for g, s in zip(grads, grad_shardings)]

@@ -79,7 +79,10 @@ def _context_parallel(mesh, devices, key, q, k, v, mask, dropout_p, causal, scal
         first = lax.axis_index(CONTEXT_AXIS) * rows
         if causal:
             keep = (first + jnp.arange(rows))[:, None] >= jnp.arange(length)[None, :]
-            mask = keep if mask is None else (mask & keep if mask.dtype == jnp.bool_ else jnp.where(keep, mask, -jnp.inf))
+            if mask is None:
+                mask = keep
+            else:
+                mask = mask & keep if mask.dtype == jnp.bool_ else jnp.where(keep, mask, -jnp.inf)
         if key is not None:
             key = jax.random.fold_in(key, lax.axis_index(CONTEXT_AXIS))  # each block its own dropout draws
         return _math(key, q, k, v, mask, dropout_p, False, scale)

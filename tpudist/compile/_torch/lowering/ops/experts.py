@@ -87,8 +87,8 @@ def _local(hidden, top_k_index, top_k_weights, gate_up, down, act, *, axis, devi
     by_expert = jnp.argsort(row_expert, stable=True)  # empty slots (expert `local`) go last
     sizes = jnp.zeros(local + 1, jnp.int32).at[row_expert].add(1)[:local]
     x = rows[by_expert]
-    up = lax.ragged_dot(x, gate_up.transpose(0, 2, 1), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    gate, up = jnp.split(up, 2, axis=-1)
+    both = lax.ragged_dot(x, gate_up.transpose(0, 2, 1), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    gate, up = jnp.split(both, 2, axis=-1)
     y = lax.ragged_dot(ACTIVATIONS[act](gate) * up, down.transpose(0, 2, 1), sizes,
                        preferred_element_type=jnp.float32).astype(x.dtype)
     back = jnp.zeros_like(rows).at[by_expert].set(y).reshape(devices, pairs, width)
