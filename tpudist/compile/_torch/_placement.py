@@ -26,7 +26,9 @@ from tpudist._jaxcompat import assemble, import_buffer
 from tpudist.compile._torch._convert import compute_device, to_jax, viewable
 
 AXIS = "data"
-BATCH_AXES = (AXIS, "fsdp")  # a sharded step splits the batch over whichever of these its mesh has
+# a sharded step splits the batch over whichever of these its mesh has (with pipeline stages, each
+# process passes its own rows, and the step hands every micro-batch to the first stage)
+BATCH_AXES = (AXIS, "fsdp", "stage")
 
 
 class Placement:

@@ -215,9 +215,12 @@ def _styled(path: str, module: torch.nn.Module, style: str, optional: bool = Fal
                      f"instead ({{'{prefix}weight': PartitionSpec(...)}})")
 
 
-def describe(model: torch.nn.Module, specs: dict[int, P], rows: P | None = None) -> dict[str, P]:
+def describe(model: torch.nn.Module, specs: dict[int, P], rows: P | None = None, pool: Any = None) -> dict[str, P]:
     """Parameter name -> its layout, for `TrainStep.shardings()` (`rows`: a data-parallel step's
-    layout of a ShardedEmbedding's rows)."""
+    layout of a ShardedEmbedding's rows; `pool`: the step's state, whose stacks of pipelined
+    layers are named as one, `train/_stages.py`)."""
     from tpudist.compile._torch._custom_ops import SHARDED_ATTR
-    return {name: rows if rows is not None and getattr(p, SHARDED_ATTR, False) else specs.get(id(p), P())
-            for name, p in model.named_parameters()}
+    out = {name: rows if rows is not None and getattr(p, SHARDED_ATTR, False) else specs.get(id(p), P())
+           for name, p in model.named_parameters()}
+    stacking = getattr(pool, "stacking", None)
+    return out if stacking is None else stacking.describe(model, pool.layout, out)

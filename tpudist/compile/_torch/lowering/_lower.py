@@ -22,7 +22,9 @@ from tpudist.compile._torch.lowering._captured import Captured, module_path
 from tpudist.compile._torch._convert import jax_dtype
 from tpudist.compile._torch.lowering._custom_grad import REMAT
 from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
-from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, current, sequence_split
+from tpudist.compile._torch.lowering._pieces import piece as _piece, sibling_pieces as _sibling_pieces
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, STAGE_AXIS, current, sequence_split
+from tpudist.compile._torch.lowering._pipeline import Rows, check_scan, pipelined_scan, run_pipelined
 from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
 from tpudist.compile._torch.lowering.ops import linalg
 
@@ -30,19 +32,28 @@ from tpudist.compile._torch.lowering.ops import linalg
 _PLACEMENT_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format", "non_blocking"})
 
 
-def lower(captured: Captured, scan: bool = True) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
+def lower(captured: Captured, scan: bool = True,
+          microbatches: int | None = None) -> Callable[[Sequence[jax.Array], Any], tuple[Any, ...]]:
     """The JAX function computing `captured`'s graph: `run(tensor_inputs, key) -> outputs`; `key` is a
     JAX PRNG key when `captured.has_random`, else ignored. `scan`: identical layers as one
     `lax.scan` (TPUDIST_SCAN_LAYERS), else each on its own (what inference wants: a scan over
-    separate weight arrays stacks them, and the layers' caches, at every call)."""
+    separate weight arrays stacks them, and the layers' caches, at every call). A tensor input may
+    be a `_pipeline.Rows` (row i of a stacked array; a scan over all rows of one takes it whole).
+
+    `microbatches=M` (pipeline parallelism, traced on a mesh with a "stage" axis): the batch inputs
+    come with a leading dim of M micro-batches, the longest run of layers runs over the stages
+    (`_pipeline`) and every output comes back per micro-batch."""
     nodes = list(captured.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
     tensor_placeholders = [n for n in placeholders if n not in literals]
+    batch_nodes = [n for n, slot in zip(placeholders, captured.inputs) if slot.kind == "input"]
     pieces = _sibling_pieces(nodes)
     positions = {node: i for i, node in enumerate(nodes)}
     calls = [n for n in nodes if n.op == "call_function"]
-    steps = _steps(calls, positions, find_scans(calls, min_layers()) if scan else [])
+    scans = find_scans(calls, min_layers()) if scan else []
+    steps = _steps(calls, positions, scans)
+    output = next(n for n in nodes if n.op == "output")
 
     def run(tensors: Sequence[jax.Array], key: Any) -> tuple[Any, ...]:
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
@@ -50,20 +61,31 @@ def lower(captured: Captured, scan: bool = True) -> Callable[[Sequence[jax.Array
         split = layout is not None and layout.sequence is not None and layout.size(CONTEXT_AXIS) > 1
         env: dict[torch.fx.Node, Any] = dict(literals)
         env.update(zip(tensor_placeholders, tensors))
+        if microbatches is not None:
+            staged = check_scan(pipelined_scan(scans), layout.size(STAGE_AXIS))
+            return run_pipelined(steps, staged, env, batch_nodes, key, microbatches, layout,
+                                 lambda step, local, k: _step(step, local, pieces, k, positions, False),
+                                 lambda shared, k: _layer(staged, shared, pieces, k, positions), output.args[0], _read)
+        rows = {node: env[node] for node in tensor_placeholders if isinstance(env[node], Rows)}
+        env.update((node, r.stack[r.index]) for node, r in rows.items())
         for step in steps:
-            if isinstance(step, _Region):
-                env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
-                    *[env[n] for n in step.inputs])))
-            elif isinstance(step, Scan):
-                _scan(step, env, pieces, key, positions)
-            else:
-                _evaluate(step, env, {}, pieces, key, positions, split)
-                if split and step in env:
-                    env[step] = sequence_split(env[step])
-        output = next(n for n in nodes if n.op == "output")
+            _step(step, env, pieces, key, positions, split, rows)
         return tuple(_read(value, env) for value in output.args[0])
 
     return run
+
+
+def _step(step: Any, env: dict, pieces: dict, key: Any, positions: dict, split: bool, rows: dict | None = None) -> None:
+    """One lowering step: a checkpointed region, a run of layers, or one node."""
+    if isinstance(step, _Region):
+        env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
+            *[env[n] for n in step.inputs])))
+    elif isinstance(step, Scan):
+        _scan(step, env, pieces, key, positions, rows or {})
+    else:
+        _evaluate(step, env, {}, pieces, key, positions, split)
+        if split and step in env:
+            env[step] = sequence_split(env[step])
 
 
 def _evaluate(node: torch.fx.Node, env: dict, splits: dict, pieces: dict, key: Any, positions: dict,
@@ -96,16 +118,30 @@ class _Region:
         return region
 
 
-def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict) -> None:
+def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict, rows: dict) -> None:
     """A run of identical layers as one `lax.scan` (see _layers): layer 0's nodes are the body, each
-    layer's weights are stacked and scanned over, the hidden state is carried. Each layer draws its
-    random numbers from its own key (the graph's key folded with the layer's number past every node's
-    position), so no two layers' dropout masks repeat."""
-    body, starts = scan.body, list(scan.carried)
+    layer's weights are stacked and scanned over (a stacked array whose rows they are, as it is),
+    the hidden state is carried."""
+    starts, stacked = list(scan.carried), list(scan.stacked)
+    weights = []
+    for node in stacked:
+        origin = [rows.get(value) for value in scan.stacked[node]]
+        whole = all(o is not None and o.stack is origin[0].stack and o.index == i for i, o in enumerate(origin))
+        weights.append(origin[0].stack if whole and len(origin) == len(origin[0].stack)
+                       else jnp.stack([env[value] for value in scan.stacked[node]]))
+    step = _layer(scan, {node: env[node] for node in scan.shared}, pieces, key, positions)
+    _, outputs = lax.scan(step, tuple(env[node] for node in starts), (jnp.arange(len(scan.layers)), weights))
+    for k, values in zip(scan.outputs, outputs):
+        for i, nodes in enumerate(scan.layers):
+            env[nodes[k]] = jax.tree_util.tree_map(lambda v, i=i: v[i], values)
+
+
+def _layer(scan: Scan, shared: dict, pieces: dict, key: Any, positions: dict) -> Callable[[tuple, tuple], tuple]:
+    """One layer of `scan` as a `lax.scan` body: (carry, (layer number, its weights)) -> (carry, outputs).
+    Each layer draws its random numbers from its own key (the graph's key folded with the layer's
+    number past every node's position), so no two layers' dropout masks repeat."""
+    body, starts, stacked = scan.body, list(scan.carried), list(scan.stacked)
     ends = [scan.carried[node] for node in starts]
-    stacked = list(scan.stacked)
-    rows = [jnp.stack([env[value] for value in scan.stacked[node]]) for node in stacked]
-    shared = {node: env[node] for node in scan.shared}
 
     def layer(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
         index, weights = x
@@ -118,11 +154,7 @@ def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict) -> Non
             _evaluate(node, local, splits, pieces, layer_key, positions)
         return tuple(local[body[k]] for k in ends), tuple(local[body[k]] for k in scan.outputs)
 
-    _, outputs = lax.scan(jax.checkpoint(layer) if scan.remat else layer, tuple(env[node] for node in starts),
-                          (jnp.arange(len(scan.layers)), rows))
-    for k, values in zip(scan.outputs, outputs):
-        for i, nodes in enumerate(scan.layers):
-            env[nodes[k]] = jax.tree_util.tree_map(lambda v, i=i: v[i], values)
+    return jax.checkpoint(layer) if scan.remat else layer
 
 
 def _steps(nodes: list[torch.fx.Node], positions: dict, scans: list[Scan]) -> list[Any]:
@@ -164,78 +196,6 @@ def _region(members: list[torch.fx.Node], positions: dict) -> list[Any]:
         return list(members)  # interleaved with the rest of the graph: computed node by node
     outputs = [n for n in members if any(user not in inside for user in n.users)]
     return [_Region(members, inputs, outputs)]
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One of several disjoint slices of the same tensor along one dimension (see _sibling_pieces)."""
-
-    source: torch.fx.Node
-    dim: int
-    sizes: tuple[int, ...]  # the pieces the dimension is cut into
-    index: int              # which piece this node is
-    squeeze: bool           # a `select` (the dimension dropped) rather than a `slice`
-
-
-def _sibling_pieces(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, _Piece]:
-    """`select` / `slice` nodes that cut one tensor into disjoint parts along one dimension, as
-    MultiheadAttention's `proj[0], proj[1], proj[2]` or `x[..., :n], x[..., n:]` do.
-
-    Lowered one by one, each part's gradient is the whole tensor padded with zeros, and the
-    backward adds the padded copies up (three full-size writes and reads for q, k, v). Cut by one
-    `lax.split`, the gradient is one concatenation of the parts' gradients, which XLA fuses into
-    its consumer, as it does for `jnp.split` in hand-written JAX. Ranges that overlap are left to
-    their own lowering."""
-    aten = torch.ops.aten
-    groups: dict[tuple[torch.fx.Node, int], list[tuple[torch.fx.Node, int, int, bool]]] = {}
-    for node in nodes:
-        if node.op != "call_function" or node.target not in (aten.select.int, aten.slice.Tensor) or node.kwargs:
-            continue
-        source = node.args[0]
-        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor) or value.ndim == 0:
-            continue
-        args = list(node.args[1:]) + [None] * 4
-        d = args[0] if args[0] is not None else 0
-        if not isinstance(d, int):
-            continue
-        d %= value.ndim
-        size = value.shape[d]
-        if not isinstance(size, int):
-            continue
-        if node.target is aten.select.int:
-            if not isinstance(args[1], int) or not -size <= args[1] < size:
-                continue
-            lo = args[1] % size
-            hi, squeeze = lo + 1, True
-        else:
-            start, end, step = args[1], args[2], args[3] if args[3] is not None else 1
-            if step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
-                continue
-            lo, hi, _ = slice(start, end).indices(size)
-            if hi <= lo or (lo, hi) == (0, size):
-                continue
-            squeeze = False
-        groups.setdefault((source, d), []).append((node, lo, hi, squeeze))
-    pieces: dict[torch.fx.Node, _Piece] = {}
-    for (source, d), members in groups.items():
-        ranges = sorted({(lo, hi) for _, lo, hi, _ in members})
-        if len(ranges) < 2 or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
-            continue  # one part (nothing to share) or overlapping parts
-        size = source.meta["val"].shape[d]
-        cuts = sorted({0, size, *(lo for lo, _ in ranges), *(hi for _, hi in ranges)})
-        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
-        for node, lo, _, squeeze in members:
-            pieces[node] = _Piece(source, d, sizes, cuts.index(lo), squeeze)
-    return pieces
-
-
-def _piece(piece: _Piece, env: dict, splits: dict) -> Any:
-    parts = splits.get((piece.source, piece.dim))
-    if parts is None:
-        parts = splits[(piece.source, piece.dim)] = lax.split(env[piece.source], piece.sizes, axis=piece.dim)
-    part = parts[piece.index]
-    return lax.squeeze(part, (piece.dim,)) if piece.squeeze else part
 
 
 def _broadcast_matrix(operand: Any) -> torch.fx.Node | None:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 EXPERT_AXIS = "expert"    # mixture-of-experts layers: experts split over it (expert parallelism)
 CONTEXT_AXIS = "context"  # attention: the sequence split over it (context parallelism)
+STAGE_AXIS = "stage"      # a run of identical layers split into consecutive stages over it (pipeline parallelism)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,11 @@ from jax import lax
 from tpudist import contract
 from tpudist.compile._torch.train import _optim
 from tpudist.compile._torch._placement import AXIS
-from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, sequence_split
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, STAGE_AXIS, sequence_split
 from tpudist.compile._torch.train._plan import Feed, Layout, Plan
+from tpudist.compile._torch.train._stages import Stacking
 from tpudist.compile._torch.lowering.ops.collective import over_axis
+from tpudist.compile._torch.lowering._pipeline import Rows
 
 
 class StepOutputs(NamedTuple):
@@ -176,18 +178,30 @@ def bucketed_mean(xs: list[jax.Array], axis: str, bucket_bytes: int = BUCKET_BYT
     return out
 
 
-def _gradient(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
-    """value_and_grad of the graph's loss in the trained parameters `own`, with the updated buffers
-    as its auxiliary output: `gradient(own, params, fixed, updated, batch, key)`."""
-    slots, trainable = plan.slots, plan.trainable
+def _gradient(plan: Plan, run: Callable[..., Any], trainable: list[int] | None = None,
+              rows: dict[int, tuple[int, int]] | None = None, per_micro: bool = False) -> Callable[..., Any]:
+    """value_and_grad of the graph's loss in the trained parameters `own` (at layout positions
+    `trainable`, the plan's by default), with the updated buffers as its auxiliary output:
+    `gradient(own, params, fixed, updated, batch, key)`. `rows`: layout positions stored as a row of
+    another position's stacked array (pipeline stages, `_stages`): (that position, the row).
+    `per_micro`: `run` returns each output per micro-batch (pipeline parallelism); the loss is their mean."""
+    slots, trainable, rows = plan.slots, plan.trainable if trainable is None else trainable, rows or {}
     update_outputs, loss_output = plan.update_outputs, plan.loss_output
 
     def objective(own, params, fixed, updated, batch, key):
         values = dict(zip(trainable, own))
-        arrays = [values.get(i, params[i]) if kind == Feed.PARAM else fixed[i] if kind == Feed.FIXED
+
+        def param(i):
+            if i in rows:
+                first, row = rows[i]
+                return Rows(values.get(first, params[first]), row)
+            return values.get(i, params[i])
+
+        arrays = [param(i) if kind == Feed.PARAM else fixed[i] if kind == Feed.FIXED
                   else updated[i] if kind == Feed.UPDATED else batch[i] for kind, i in slots]
         outs = run(arrays, key)
-        return outs[loss_output].reshape(()).astype(jnp.float32), [outs[i] for i in update_outputs]
+        loss = jnp.mean(outs[loss_output].astype(jnp.float32)) if per_micro else outs[loss_output].reshape(())
+        return loss.astype(jnp.float32), [outs[i] for i in update_outputs]
 
     return jax.value_and_grad(objective, has_aux=True)
 
@@ -235,37 +249,45 @@ def _sequence_split(leaf: jax.Array, index: int, mesh: Any) -> jax.Array:
 
 
 def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, specs: list[Any], batch_spec: Any,
-                     batch_shards: int, mesh: Any, accumulate: int, random: bool,
-                     max_norm: float | None) -> Callable[..., StepOutputs]:
+                     batch_shards: int, mesh: Any, accumulate: int, random: bool, max_norm: float | None,
+                     stacking: Stacking | None = None) -> Callable[..., StepOutputs]:
     """The sharded step (`SpmdPlacement`): the same contract as `make_body`'s, traced in the global
     view for `jax.jit` with shardings. The loss is the objective of the whole global batch, as
     eager torch computes it on one machine (BatchNorm statistics too); XLA's partitioner inserts the
     parameter gathers and gradient reduce-scatters the layouts `specs` (per layout entry) imply.
 
     Micro-batch i of `accumulate` holds the i-th slice of every batch shard's rows, so each stays
-    split over the same devices."""
+    split over the same devices. With `stacking` (pipeline parallelism, `_stages`) the parameters
+    and optimizer state of the pipelined layers come stacked (a run's first entry holds the stack,
+    the others None), and `run` takes every micro-batch at once (`lower(microbatches=accumulate)`)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    trainable = plan.trainable
+    rows = stacking.rows if stacking is not None else {}
+    trainable = [i for i in plan.trainable if rows.get(i, (i,))[0] == i]  # each stack once, at its first entry
     entries = layout.entries
     configs = [entries[i].config for i in trainable]
     groups = [entries[i].group for i in trainable]
     grad_shardings = [NamedSharding(mesh, specs[i]) for i in trainable]
+    if stacking is not None:  # every stage takes every micro-batch: split over the other batch axes only
+        entry = batch_spec[0] if tuple(batch_spec) else ()
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != STAGE_AXIS)
+        batch_spec = P(axes or None)
     micro_sharding = NamedSharding(mesh, P(None, *batch_spec))
     stepped = np.zeros(len(layout), np.float32)
-    stepped[trainable] = 1.0
+    stepped[plan.trainable] = 1.0
+    gradient = _gradient(plan, run, trainable, rows, per_micro=stacking is not None)
 
-    gradient = _gradient(plan, run)
+    def micro(b):
+        rows = b.shape[0] // (batch_shards * accumulate)
+        b = b.reshape((batch_shards, accumulate, rows) + b.shape[1:]).swapaxes(0, 1)
+        return lax.with_sharding_constraint(b.reshape((accumulate, batch_shards * rows) + b.shape[3:]), micro_sharding)
 
     def accumulated(own, params, fixed, updated, batch, key):
-        def micro(b):
-            rows = b.shape[0] // (batch_shards * accumulate)
-            b = b.reshape((batch_shards, accumulate, rows) + b.shape[1:]).swapaxes(0, 1)
-            return lax.with_sharding_constraint(b.reshape((accumulate, batch_shards * rows) + b.shape[3:]),
-                                                micro_sharding)
-
         start = ([jnp.zeros_like(p) for p in own], jnp.float32(0), list(updated))
         return _accumulated(gradient, (own, params, fixed), start, [micro(b) for b in batch], key, accumulate,
                             random)
+
+    def staged(own, params, fixed, updated, batch, key):
+        return gradient(own, params, fixed, updated, [micro(b) for b in batch], key)
 
     def body(params, fixed, updated, states, counts, hyper, batch, rng, signal):
         if random:
@@ -275,7 +297,7 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
             key = None
         own = [params[i] for i in trainable]
         batch = [_sequence_split(b, i, mesh) for i, b in enumerate(batch)]
-        grad_fn = gradient if accumulate == 1 else accumulated
+        grad_fn = staged if stacking is not None else gradient if accumulate == 1 else accumulated
         (loss, new_updated), grads = grad_fn(own, params, fixed, updated, batch, key)
         grads = [lax.with_sharding_constraint(g, s) for g, s in zip(grads, grad_shardings)]
         if max_norm is not None:

@@ -189,9 +189,9 @@ class TrainStep:
         return LazyScalar(out.loss)
 
     def shardings(self) -> dict[str, Any]:
-        """Each parameter's layout over the mesh (`PartitionSpec`, P() replicated) by name; its
-        optimizer state is laid out the same way."""
-        return describe(self.model, self._specs, P(AXIS) if self.sharding is None else None)
+        """Each parameter's (and its optimizer state's) layout over the mesh by name; a pipelined run's
+        stacks after the first step as one name each ("model.layers.*.mlp.up.weight": P("stage"))."""
+        return describe(self.model, self._specs, P(AXIS) if self.sharding is None else None, self.mirror.pool)
 
     def memory(self) -> StepMemory:
         """Bytes per device of the step's state, and XLA's estimate of the current executable's peak."""
@@ -345,6 +345,7 @@ def compile_train_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
     `accumulate_steps=K` splits each device's share of the batch into K micro-batches, run one after
     another inside the executable, and averages their gradients before one update: the same update
     as one step on the whole batch (for a mean-reduced loss), in the memory of one micro-batch.
+    On a mesh with a "stage" axis they are the pipeline's micro-batches (docs/sharding.md).
 
     Random ops (dropout) draw from a key that lives on the devices and advances every step, folded
     with each device's position, seeded from torch's default generator when the step first runs (so

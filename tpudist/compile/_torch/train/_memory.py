@@ -152,7 +152,7 @@ def _per_device(arrays: Iterable[jax.Array], seen: set[int]) -> dict[int, int]:
     """Bytes of each live array's shards on this process's devices, by device id."""
     out: collections.Counter = collections.Counter()
     for array in arrays:
-        if id(array) in seen or array.is_deleted():
+        if array is None or id(array) in seen or array.is_deleted():
             continue
         seen.add(id(array))
         for shard in array.addressable_shards:

@@ -13,7 +13,7 @@ changed (an upload from torch, a restore).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -21,6 +21,7 @@ from tpudist.compile._torch._pack import Packing
 
 if TYPE_CHECKING:
     from tpudist.compile._torch.train._plan import Layout
+    from tpudist.compile._torch.train._stages import Stacking
 
 # a parameter or optimizer-state array this size or smaller joins the pool. Larger ones cost the
 # device more to pack than their launch costs the host: the 32-256-4 MLP's step given its batch on
@@ -48,9 +49,26 @@ class StatePool:
         self._pool: list[jax.Array] | None = None
         self.packing: Packing | None = None  # the pool's layout (fixed by the arrays it was made of)
         self._pieces: Callable[..., list[list[jax.Array]]] | None = None  # packing.pieces, jitted
+        # pipeline parallelism: runs of entries the step takes stacked (`_stages`), current unless None
+        self.stacking: Stacking | None = None
+        self._layer_specs: list[Any] = []
+        self._stacked: EntryArrays | None = None
+
+    def stack(self, stacking: "Stacking", layer_specs: list[Any]) -> None:
+        """From now on the step takes these runs of entries stacked (`_stages`); the same runs as before
+        or ValueError (every signature of one step holds the state one way)."""
+        if self.stacking is not None:
+            if stacking.groups != self.stacking.groups:
+                raise ValueError("pipeline parallelism: this batch's capture splits the model's layers into "
+                                 "stages differently from the step's first; compile a step per model form")
+            return
+        self.entries()
+        self.stacking, self._layer_specs, self._stacked = stacking, list(layer_specs), None
 
     def entries(self) -> EntryArrays:
         """(params, states), cut out of the pool first if a step returned it (one executable)."""
+        if self._entries is None and self._stacked is not None:
+            self._entries = EntryArrays(*self.stacking.unstack(*self._stacked, self._layer_specs))
         if self._entries is None:
             self._entries = unflatten_state(self.packing.split(self._pool, self._pieces), self.layout)
         return self._entries
@@ -58,10 +76,15 @@ class StatePool:
     def set(self, params: list[jax.Array], states: list[tuple[jax.Array, ...]]) -> None:
         """Makes these per-entry arrays current (the pool is packed again when a step needs it)."""
         self._entries, self._pool = EntryArrays(list(params), [tuple(s) for s in states]), None
+        self._stacked = None
 
     def step_arrays(self) -> EntryArrays:
         """What a step takes for the parameters and optimizer state: (params, states), or when
         pooled (the pool, []), packed here if the per-entry arrays changed since the last step."""
+        if self.stacking is not None:
+            if self._stacked is None:
+                self._stacked = EntryArrays(*self.stacking.stack(*self.entries()))
+            return self._stacked
         if not self.pooled:
             return self.entries()
         if self._pool is None:
@@ -77,12 +100,16 @@ class StatePool:
         packing, or (pool not current) the per-entry arrays in `flatten_state`'s order and None."""
         if self.pooled and self._pool is not None:
             return list(self._pool), self.packing
+        if self.stacking is not None:
+            return flatten_state(*self.step_arrays()), None
         return flatten_state(*self._entries), None
 
     def stepped(self, params: list[jax.Array], states: list[tuple[jax.Array, ...]]) -> None:
         """A step's new state, in the form `step_arrays` gave it."""
         if self.pooled:
             self._pool, self._entries = params, None
+        elif self.stacking is not None:
+            self._stacked, self._entries = EntryArrays(params, states), None
         else:
             self._entries = EntryArrays(params, states)
 

@@ -22,10 +22,11 @@ from tpudist.compile._torch._pack import Packing
 from tpudist.compile._torch._placement import AXIS, Placement, Staging
 from tpudist.compile._torch.lowering._capture import capture
 from tpudist.compile._torch.lowering._lower import lower
-from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, EXPERT_AXIS, MeshLayout, laid_out
+from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS, MeshLayout, laid_out
 from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
 from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
+from tpudist.compile._torch.train._stages import Stacking, stage_groups
 from tpudist.compile._torch.train._state import Mirror
 
 RUN_AHEAD = 8  # staged batches in flight: how many steps the host may run ahead of the device (see Staging)
@@ -60,10 +61,14 @@ class Signature:
             param_specs = [placement.param_split(e) for e in layout.entries]
             # context parallelism: layers unscanned (XLA's partitioner keeps a scan's saved activations whole)
             scan = CONTEXT_AXIS not in placement.mesh.axis_names
-            body = make_global_body(self.plan, layout, lower(captured, scan=scan), specs=param_specs,
-                                    batch_spec=placement.batch_spec, batch_shards=placement.batch_shards,
-                                    mesh=placement.mesh, accumulate=accumulate, random=self.random,
-                                    max_norm=max_grad_norm)
+            stacking = _stacking(captured, self.plan, layout, placement, param_specs, objective.model)
+            if stacking is not None:  # pipeline parallelism: the pipelined layers' state held stacked
+                mirror.pool.stack(stacking, param_specs)
+                param_specs = stacking.specs
+            run = lower(captured, scan=scan, microbatches=accumulate if stacking is not None else None)
+            body = make_global_body(self.plan, layout, run, specs=param_specs, batch_spec=placement.batch_spec,
+                                    batch_shards=placement.batch_shards, mesh=placement.mesh, accumulate=accumulate,
+                                    random=self.random, max_norm=max_grad_norm, stacking=stacking)
             body = _laid_out(body, MeshLayout(placement.mesh, placement.batch_axes, _sequence(example)))
             split = placement.batch_spec
             loss_spec, per_device = P(), False
@@ -79,8 +84,10 @@ class Signature:
                 param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
             split = P(AXIS) if collective else P()  # the batch and the signal: per device, or the one device's
             loss_spec, per_device = P(AXIS), True
+        stacked = mirror.pool.stacking.rows if mirror.pool.stacking is not None else {}
         state_specs = P() if mirror.pool.pooled else \
-            [tuple(spec for _ in e.config.state) for spec, e in zip(param_specs, layout.entries)]
+            [() if stacked.get(i, (i,))[0] != i else tuple(spec for _ in e.config.state)
+             for i, (spec, e) in enumerate(zip(param_specs, layout.entries))]
         in_specs = (param_specs, P(), P(), state_specs, P(), P(), split, P(), split)
         out_specs = StepOutputs(param_specs, P(), state_specs, P(), loss_spec, P(), P())
         self.step = compile_jax(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -180,6 +187,28 @@ def _pooled(body: Callable[..., StepOutputs], state: StatePool) -> Callable[...,
         return out._replace(params=packing.pack(flat), states=[])
 
     return pooled
+
+
+def _stacking(captured: Any, plan: Any, layout: Layout, placement: Placement, specs: list[P],
+              model: torch.nn.Module) -> Stacking | None:
+    """On a mesh with a "stage" axis (pipeline parallelism): the runs of parameters the step holds
+    stacked (`_stages`); None elsewhere. ValueError where the step cannot pipeline the model."""
+    mesh = placement.mesh
+    stages = dict(mesh.shape).get(STAGE_AXIS, 1)
+    if stages == 1:
+        return None
+    others = [a for a in (CONTEXT_AXIS, EXPERT_AXIS) if dict(mesh.shape).get(a, 1) > 1]
+    if others:
+        raise ValueError(f"pipeline parallelism (mesh axis {STAGE_AXIS!r}) does not combine with mesh axis "
+                         f"{others[0]!r} yet; use one of them")
+    if plan.updated:
+        raise ValueError(f"pipeline parallelism: the model writes buffers in training ({plan.updated[0].key}, e.g. "
+                         "BatchNorm statistics), which the micro-batches would update one after another; use a "
+                         "model without them, or no 'stage' axis")
+    groups = stage_groups(captured, plan, layout, stages, {id(p): n for n, p in model.named_parameters()})
+    if not groups:
+        raise ValueError("pipeline parallelism: the layers the stages would split hold no trained parameters")
+    return Stacking(groups, mesh, specs)
 
 
 def _sequence(example: Any) -> int | None:
