@@ -24,7 +24,7 @@ from tpudist.compile._torch.lowering._custom_grad import REMAT
 from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
 from tpudist.compile._torch.lowering._pieces import piece as _piece, sibling_pieces as _sibling_pieces
 from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, STAGE_AXIS, current, sequence_split
-from tpudist.compile._torch.lowering._pipeline import Rows, check_scan, pipelined_scan, run_pipelined
+from tpudist.compile._torch.lowering._pipeline import check_scan, pipelined_scan, run_pipelined
 from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
 from tpudist.compile._torch.lowering.ops import linalg
 
@@ -37,12 +37,12 @@ def lower(captured: Captured, scan: bool = True,
     """The JAX function computing `captured`'s graph: `run(tensor_inputs, key) -> outputs`; `key` is a
     JAX PRNG key when `captured.has_random`, else ignored. `scan`: identical layers as one
     `lax.scan` (TPUDIST_SCAN_LAYERS), else each on its own (what inference wants: a scan over
-    separate weight arrays stacks them, and the layers' caches, at every call). A tensor input may
-    be a `_pipeline.Rows` (row i of a stacked array; a scan over all rows of one takes it whole).
+    separate weight arrays stacks them, and the layers' caches, at every call).
 
     `microbatches=M` (pipeline parallelism, traced on a mesh with a "stage" axis): the batch inputs
-    come with a leading dim of M micro-batches, the longest run of layers runs over the stages
-    (`_pipeline`) and every output comes back per micro-batch."""
+    come with a leading dim of M micro-batches, a pipelined layer's parameter as a `_pipeline.Rows`
+    (its row of the stack), the longest run of layers runs over the stages (`_pipeline`) and every
+    output comes back per micro-batch."""
     nodes = list(captured.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
@@ -66,22 +66,20 @@ def lower(captured: Captured, scan: bool = True,
             return run_pipelined(steps, staged, env, batch_nodes, key, microbatches, layout,
                                  lambda step, local, k: _step(step, local, pieces, k, positions, False),
                                  lambda shared, k: _layer(staged, shared, pieces, k, positions), output.args[0], _read)
-        rows = {node: env[node] for node in tensor_placeholders if isinstance(env[node], Rows)}
-        env.update((node, r.stack[r.index]) for node, r in rows.items())
         for step in steps:
-            _step(step, env, pieces, key, positions, split, rows)
+            _step(step, env, pieces, key, positions, split)
         return tuple(_read(value, env) for value in output.args[0])
 
     return run
 
 
-def _step(step: Any, env: dict, pieces: dict, key: Any, positions: dict, split: bool, rows: dict | None = None) -> None:
+def _step(step: Any, env: dict, pieces: dict, key: Any, positions: dict, split: bool) -> None:
     """One lowering step: a checkpointed region, a run of layers, or one node."""
     if isinstance(step, _Region):
         env.update(zip(step.outputs, jax.checkpoint(step.evaluate(pieces, key, positions))(
             *[env[n] for n in step.inputs])))
     elif isinstance(step, Scan):
-        _scan(step, env, pieces, key, positions, rows or {})
+        _scan(step, env, pieces, key, positions)
     else:
         _evaluate(step, env, {}, pieces, key, positions, split)
         if split and step in env:
@@ -118,19 +116,12 @@ class _Region:
         return region
 
 
-def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict, rows: dict) -> None:
+def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict) -> None:
     """A run of identical layers as one `lax.scan` (see _layers): layer 0's nodes are the body, each
-    layer's weights are stacked and scanned over (a stacked array whose rows they are, as it is),
-    the hidden state is carried."""
-    starts, stacked = list(scan.carried), list(scan.stacked)
-    weights = []
-    for node in stacked:
-        origin = [rows.get(value) for value in scan.stacked[node]]
-        whole = all(o is not None and o.stack is origin[0].stack and o.index == i for i, o in enumerate(origin))
-        weights.append(origin[0].stack if whole and len(origin) == len(origin[0].stack)
-                       else jnp.stack([env[value] for value in scan.stacked[node]]))
+    layer's weights are stacked and scanned over, the hidden state is carried."""
+    rows = [jnp.stack([env[value] for value in scan.stacked[node]]) for node in scan.stacked]
     step = _layer(scan, {node: env[node] for node in scan.shared}, pieces, key, positions)
-    _, outputs = lax.scan(step, tuple(env[node] for node in starts), (jnp.arange(len(scan.layers)), weights))
+    _, outputs = lax.scan(step, tuple(env[node] for node in scan.carried), (jnp.arange(len(scan.layers)), rows))
     for k, values in zip(scan.outputs, outputs):
         for i, nodes in enumerate(scan.layers):
             env[nodes[k]] = jax.tree_util.tree_map(lambda v, i=i: v[i], values)

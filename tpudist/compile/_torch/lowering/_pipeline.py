@@ -103,9 +103,9 @@ def run_pipelined(steps: list[Any], scan: Scan, env: dict, batch_nodes: list[tor
     weights = []
     for first, values in scan.stacked.items():
         if any(v in per_micro for v in values):
-            raise ValueError(f"pipeline parallelism: the layers of {scan.container.removeprefix('traced.')} read "
-                             f"{first.name}, computed from the batch per layer; the stages take only parameters and "
-                             "buffers per layer")
+            raise ValueError(f"pipeline parallelism: each layer of {scan.container.removeprefix('traced.')} reads its "
+                             f"own {first.name}, computed before the layers; the stages take only parameters and "
+                             "buffers per layer: compute it inside the layer")
         origin = [stacks.get(v) for v in values]
         if all(o is not None and o.stack is origin[0].stack and o.index == i for i, o in enumerate(origin)):
             weights.append(origin[0].stack)
