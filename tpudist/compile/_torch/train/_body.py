@@ -277,9 +277,9 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
     gradient = _gradient(plan, run, trainable, rows, per_micro=stacking is not None)
 
     def micro(b):
-        rows = b.shape[0] // (batch_shards * accumulate)
-        b = b.reshape((batch_shards, accumulate, rows) + b.shape[1:]).swapaxes(0, 1)
-        return lax.with_sharding_constraint(b.reshape((accumulate, batch_shards * rows) + b.shape[3:]), micro_sharding)
+        per = b.shape[0] // (batch_shards * accumulate)  # each batch shard's rows per micro-batch
+        b = b.reshape((batch_shards, accumulate, per) + b.shape[1:]).swapaxes(0, 1)
+        return lax.with_sharding_constraint(b.reshape((accumulate, batch_shards * per) + b.shape[3:]), micro_sharding)
 
     def accumulated(own, params, fixed, updated, batch, key):
         start = ([jnp.zeros_like(p) for p in own], jnp.float32(0), list(updated))

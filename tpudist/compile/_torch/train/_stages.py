@@ -6,8 +6,9 @@ On a mesh with a "stage" axis, the layers of the model's longest run of identica
 step holds each such parameter (`layers.{i}.mlp.up_proj.weight`, i = 0..L-1) as one stacked array
 (L, ...) split over "stage" on its first dim (and over other axes as FSDP / TP split one layer's),
 with its optimizer state the same way. `Stacking` turns the per-parameter arrays (what doors,
-checkpoints and uploads read and write) into the stacked ones (what the step takes) and back, in
-one executable each way (`train/_pool.py` holds whichever is current).
+checkpoints and uploads read and write) into the stacked ones (what the step takes) and back, one
+small executable per stack each way, only when the other form changed (`train/_pool.py` holds
+whichever is current).
 """
 
 from __future__ import annotations
