@@ -28,6 +28,7 @@ import torch
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tpudist.compile._torch._convert import jax_dtype
 from tpudist.compile._torch.lowering._layers import Scan
 from tpudist.compile._torch.lowering._parallel import STAGE_AXIS, MeshLayout
 
@@ -82,7 +83,6 @@ def run_pipelined(steps: list[Any], scan: Scan, env: dict, batch_nodes: list[tor
     stacks = {node: env[node] for node in env if isinstance(env[node], Rows)}
     for node, rows in stacks.items():
         env[node] = rows.stack[rows.index]
-    count = len(scan.layers)
     last = scan.layers[-1]
     wanted = [n for n in dict.fromkeys([*scan.shared, *scan.carried, *(v for vs in scan.stacked.values() for v in vs),
                                         *(n for step in after for n in _reads(step))]) if n in made]
@@ -117,19 +117,18 @@ def run_pipelined(steps: list[Any], scan: Scan, env: dict, batch_nodes: list[tor
     starts = [fed[n] if n in per_micro else jnp.broadcast_to(env[n], (microbatches, *jnp.shape(env[n])))
               for n in scan.carried]
     results = _stages(scan, lambda shared, k: layer({**constants, **shared}, k), starts, [fed[n] for n in varying],
-                      [env[n] for n in fixed], varying, fixed, weights, keys, count, microbatches, layout)
+                      [env[n] for n in fixed], varying, fixed, weights, keys, microbatches, layout)
     outs = [last[k] for k in scan.outputs]
     return jax.vmap(lambda w, b, r, k: read(output, part(after, [*wanted, *outs], [b, [*w, *r]], k)))(
         pre, batch, results, keys)
 
 
 def _stages(scan: Scan, layer: Callable[..., Callable], starts: list, varying_values: list, fixed_values: list,
-            varying: list, fixed: list, weights: list, keys: Any, count: int, microbatches: int,
-            layout: MeshLayout) -> list[Any]:
+            varying: list, fixed: list, weights: list, keys: Any, microbatches: int, layout: MeshLayout) -> list[Any]:
     """The layers over the stages, GPipe (see the module docstring): per output of the last layer
     (`scan.outputs`), its value for every micro-batch."""
     stages = layout.size(STAGE_AXIS)
-    per = count // stages
+    per = len(scan.layers) // stages
     key_data = None if keys is None else jax.random.key_data(keys)
     ring = [(i, (i + 1) % stages) for i in range(stages)]
 
@@ -163,7 +162,6 @@ def _stages(scan: Scan, layer: Callable[..., Callable], starts: list, varying_va
 
 def _last_values(scan: Scan) -> list[jax.ShapeDtypeStruct]:
     """The shapes of one micro-batch's values of the last layer's outputs (`scan.outputs`)."""
-    from tpudist.compile._torch._convert import jax_dtype
     out = []
     for k in scan.outputs:
         value = scan.layers[-1][k].meta.get("val")

@@ -13,7 +13,7 @@ changed (an upload from torch, a restore).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
@@ -51,10 +51,9 @@ class StatePool:
         self._pieces: Callable[..., list[list[jax.Array]]] | None = None  # packing.pieces, jitted
         # pipeline parallelism: runs of entries the step takes stacked (`_stages`), current unless None
         self.stacking: Stacking | None = None
-        self._layer_specs: list[Any] = []
         self._stacked: EntryArrays | None = None
 
-    def stack(self, stacking: "Stacking", layer_specs: list[Any]) -> None:
+    def stack(self, stacking: "Stacking") -> None:
         """From now on the step takes these runs of entries stacked (`_stages`); the same runs as before
         or ValueError (every signature of one step holds the state one way)."""
         if self.stacking is not None:
@@ -63,12 +62,12 @@ class StatePool:
                                  "stages differently from the step's first; compile a step per model form")
             return
         self.entries()
-        self.stacking, self._layer_specs, self._stacked = stacking, list(layer_specs), None
+        self.stacking, self._stacked = stacking, None
 
     def entries(self) -> EntryArrays:
         """(params, states), cut out of the pool first if a step returned it (one executable)."""
         if self._entries is None and self._stacked is not None:
-            self._entries = EntryArrays(*self.stacking.unstack(*self._stacked, self._layer_specs))
+            self._entries = EntryArrays(*self.stacking.unstack(*self._stacked))
         if self._entries is None:
             self._entries = unflatten_state(self.packing.split(self._pool, self._pieces), self.layout)
         return self._entries

@@ -63,7 +63,7 @@ class Signature:
             scan = CONTEXT_AXIS not in placement.mesh.axis_names
             stacking = _stacking(captured, self.plan, layout, placement, param_specs, objective.model)
             if stacking is not None:  # pipeline parallelism: the pipelined layers' state held stacked
-                mirror.pool.stack(stacking, param_specs)
+                mirror.pool.stack(stacking)
                 param_specs = stacking.specs
             run = lower(captured, scan=scan, microbatches=accumulate if stacking is not None else None)
             body = make_global_body(self.plan, layout, run, specs=param_specs, batch_spec=placement.batch_spec,

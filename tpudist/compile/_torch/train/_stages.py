@@ -36,13 +36,10 @@ class Stacking:
     def __init__(self, groups: list[list[int]], mesh: Any, specs: list[P]):
         self.groups, self.mesh = groups, mesh
         self.rows = {i: (group[0], row) for group in groups for row, i in enumerate(group)}
-        self.specs = list(specs)  # per layout entry, one layer's layout
+        self.layer_specs = list(specs)  # per layout entry, one layer's layout
+        self.specs = list(specs)        # per layout entry, its layout in the step's arguments
         for group in groups:
             self.specs[group[0]] = P(STAGE_AXIS, *specs[group[0]])
-
-    def stored_spec(self, i: int) -> P:
-        """Layout entry i's spec in the step's arguments (a stack's: "stage" first)."""
-        return self.specs[i]
 
     def describe(self, model: torch.nn.Module, layout: "Layout", specs: dict[str, P]) -> dict[str, P]:
         """`TrainStep.shardings()`: each run's parameters under one name, the layer number as `*`."""
@@ -67,12 +64,12 @@ class Stacking:
                 params[i], states[i] = None, ()
         return params, states
 
-    def unstack(self, params: list[Any], states: list[tuple], layer_specs: list[P]) -> tuple[list[Any], list[tuple]]:
-        """`stack`'s inverse: each layer's arrays laid out as one layer's (`layer_specs`)."""
+    def unstack(self, params: list[Any], states: list[tuple]) -> tuple[list[Any], list[tuple]]:
+        """`stack`'s inverse: each layer's arrays laid out as one layer's."""
         params, states = list(params), list(states)
         for group in self.groups:
             first = group[0]
-            cut = _unstack(NamedSharding(self.mesh, layer_specs[first]), len(group))
+            cut = _unstack(NamedSharding(self.mesh, self.layer_specs[first]), len(group))
             stacked_states = states[first]
             for i, value in zip(group, cut(params[first])):
                 params[i] = value
