@@ -91,6 +91,36 @@ def test_fused_step_matches_torch_optim(name):
     assert all(p.grad is None for p in model.parameters())  # documented: the fused step keeps grads in XLA
 
 
+class Linear1(nn.Module):
+    """A loss linear in its parameter: the gradient of one row is that row, exactly, on both sides."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x):
+        return (self.p * x[0]).sum()
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW], ids=["adam", "adamw"])
+def test_adam_updates_equal_eager_torchs_to_float32_rounding(make):
+    """With gradients both sides compute exactly, the fused Adam's moments and parameters equal
+    eager torch's to a few float32 ulps: 1 - beta1 and 1 - beta2 are taken in doubles, as torch
+    takes them (in float32, 1 - 0.999 is 1.3e-5 off, and every second moment with it)."""
+    model, ref = Linear1(256), Linear1(256)
+    opt, ref_opt = make(model.parameters(), lr=1e-3), make(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(1, 256, generator=g), torch.zeros(())) for _ in range(3)]
+    step = tpudist.compile_train_step(model, lambda out, target: out, opt)
+    for batch in data:
+        step(batch)
+    eager_train(ref, ref_opt, data, loss_fn=lambda out, target: out)
+    got, want = opt.state_dict()["state"][0], ref_opt.state_dict()["state"][0]
+    for field in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(got[field].numpy(), want[field].numpy(), rtol=1e-6, atol=0, err_msg=field)
+    np.testing.assert_allclose(model.p.detach().numpy(), ref.p.detach().numpy(), rtol=1e-6, atol=0)
+
+
 def test_param_groups_lr_schedule_and_clipping_match_eager():
     def make(model):
         opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.3},
