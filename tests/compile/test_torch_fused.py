@@ -110,7 +110,7 @@ def test_adam_updates_equal_eager_torchs_to_float32_rounding(make):
     model, ref = Linear1(256), Linear1(256)
     opt, ref_opt = make(model.parameters(), lr=1e-3), make(ref.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(1, 256, generator=g), torch.zeros(())) for _ in range(3)]
+    data = [(torch.randn(1, 256, generator=g), torch.zeros(1)) for _ in range(3)]
     step = tpudist.compile_train_step(model, lambda out, target: out, opt)
     for batch in data:
         step(batch)
