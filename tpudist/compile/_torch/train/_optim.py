@@ -78,14 +78,14 @@ def config(kind: OptimizerKind, optimizer: torch.optim.Optimizer, group: dict[st
                        amsgrad=amsgrad, maximize=bool(group["maximize"]), decoupled=decoupled)
 
 
-FIELDS = 10  # width of the hyperparameter table
+FIELDS = 9  # width of the hyperparameter table
 
 
 def hyper_row(kind: OptimizerKind, group: dict[str, Any]) -> list[float]:
     """One param group's row of the hyperparameter table (read on the host every step).
 
     sgd:  lr, momentum, dampening, weight_decay
-    adam: lr, log(beta1), log(beta2), beta1, beta2, eps, weight_decay, 1 - lr * weight_decay, 1 - beta1, 1 - beta2
+    adam: lr, log(beta1), log(beta2), 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay
 
     Differences such as 1 - beta2 are taken here, in doubles, as torch takes them: in float32 on the
     device, 1 - 0.999 is 1.3e-5 off, and so is every second moment's new term.
@@ -95,7 +95,7 @@ def hyper_row(kind: OptimizerKind, group: dict[str, Any]) -> list[float]:
         return [lr, _float(group["momentum"]), _float(group["dampening"]), wd] + [0.0] * (FIELDS - 4)
     beta1, beta2 = (_float(b) for b in group["betas"])
     return [lr, math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
-            beta1, beta2, _float(group["eps"]), wd, 1 - lr * wd, 1 - beta1, 1 - beta2]
+            1 - beta1, beta2, 1 - beta2, _float(group["eps"]), wd, 1 - lr * wd]
 
 
 def initial_state(cfg: ParamConfig, param: torch.Tensor) -> list[np.ndarray]:
@@ -145,7 +145,7 @@ def update(cfg: ParamConfig, param: jax.Array, grad: jax.Array, state: tuple[jax
             new_state = (buf,)
         return param - lr * grad, new_state
     step_size, inv_bias2_sqrt = (scalars[i].astype(param.dtype) for i in range(2))
-    beta2, eps, wd, decay, one_minus_beta1, one_minus_beta2 = (row[i].astype(param.dtype) for i in range(4, FIELDS))
+    one_minus_beta1, beta2, one_minus_beta2, eps, wd, decay = (row[i].astype(param.dtype) for i in range(3, FIELDS))
     if cfg.decoupled:
         param = param * decay
     else:
