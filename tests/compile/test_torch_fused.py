@@ -106,7 +106,10 @@ class Linear1(nn.Module):
 def test_adam_updates_equal_eager_torchs_to_float32_rounding(make):
     """With gradients both sides compute exactly, the fused Adam's moments and parameters equal
     eager torch's to a few float32 ulps: 1 - beta1 and 1 - beta2 are taken in doubles, as torch
-    takes them (in float32, 1 - 0.999 is 1.3e-5 off, and every second moment with it)."""
+    takes them (in float32, 1 - 0.999 is 1.3e-5 off, and every second moment with it). The first
+    moment is a lerp whose two terms can cancel, where whether a multiply-add is fused (torch's
+    kernel fuses it, XLA:CPU at -O0 does not) moves the last bits of the larger term: it is held to
+    4 ulps of that term; the second moment (a sum of positive terms) and the parameters to 1e-6."""
     model, ref = Linear1(256), Linear1(256)
     opt, ref_opt = make(model.parameters(), lr=1e-3), make(ref.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(4)
@@ -116,8 +119,9 @@ def test_adam_updates_equal_eager_torchs_to_float32_rounding(make):
         step(batch)
     eager_train(ref, ref_opt, data, loss_fn=lambda out, target: out)
     got, want = opt.state_dict()["state"][0], ref_opt.state_dict()["state"][0]
-    for field in ("exp_avg", "exp_avg_sq"):
-        np.testing.assert_allclose(got[field].numpy(), want[field].numpy(), rtol=1e-6, atol=0, err_msg=field)
+    ulp = np.finfo(np.float32).eps * max(float(np.abs(x).max()) for x, _ in data)  # |grad| bounds every term
+    np.testing.assert_allclose(got["exp_avg"].numpy(), want["exp_avg"].numpy(), rtol=0, atol=4 * ulp)
+    np.testing.assert_allclose(got["exp_avg_sq"].numpy(), want["exp_avg_sq"].numpy(), rtol=1e-6, atol=0)
     np.testing.assert_allclose(model.p.detach().numpy(), ref.p.detach().numpy(), rtol=1e-6, atol=0)
 
 
