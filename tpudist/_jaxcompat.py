@@ -207,3 +207,50 @@ def varying_axes(value: Any) -> frozenset[str]:
         return frozenset(aval.vma)
     raise moved("varying-axis types of a shard_map value (the aval's `mat` or `vma`)",
                 AttributeError(f"{type(aval).__name__} has neither `mat` nor `vma`"))
+
+
+def cache_writes_from_every_process() -> bool:
+    """Makes every process of a job write the programs it compiles to the persistent compilation
+    cache, not process 0 alone, so that a restarted job's every process finds its own. Returns
+    whether it is in place.
+
+    JAX writes entries from process 0 only (so that hosts do not contend for one entry on a shared
+    bucket), and its key holds each process's view of the topology: on a CPU mesh every process
+    has keys of its own, and a TPU host whose cache is a local directory (tpudist's default) is
+    cold after a restart everywhere but on host 0. `use_compilation_cache` puts this in place for
+    local directories only.
+
+    Private: wraps `jax._src.compiler._compile_and_write_cache`, which calls
+    `jax._src.compilation_cache.put_executable_and_time` as JAX's own write does, honouring
+    `jax_persistent_cache_min_compile_time_secs` (checked on jax 0.10.2). Fallback: where they moved,
+    False: processes other than 0 compile again after a restart, as in JAX.
+    """
+    try:
+        from jax._src import compilation_cache, compiler, config, distributed
+        original = compiler._compile_and_write_cache
+        put = compilation_cache.put_executable_and_time
+        minimum_s = config.persistent_cache_min_compile_time_secs
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, "_tpudist_wrapped", False):
+        return True
+    import time
+
+    def compile_and_write(backend, computation, executable_devices, compile_options, host_callbacks,
+                          module_name, cache_key):
+        start = time.monotonic()
+        executable = original(backend, computation, executable_devices, compile_options, host_callbacks,
+                              module_name, cache_key)
+        seconds = time.monotonic() - start
+        if distributed.global_state.process_id != 0 and not host_callbacks and seconds >= minimum_s.value:
+            try:
+                put(cache_key, module_name, executable, backend, int(seconds))
+            except Exception as e:  # noqa: BLE001 - as JAX's own write: an entry not written costs a compile
+                import warnings
+                warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
+                              f"{type(e).__name__}: {e}")
+        return executable
+
+    compile_and_write._tpudist_wrapped = True
+    compiler._compile_and_write_cache = compile_and_write
+    return True

@@ -69,6 +69,8 @@ def use_compilation_cache(directory: str | None = None) -> str | None:
         # Collectives are small programs: cache them too, not just the slow compiles.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        if "://" not in directory:  # a local directory: every process keeps what it compiled
+            _jaxcompat.cache_writes_from_every_process()
     return directory
 
 

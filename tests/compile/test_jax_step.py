@@ -262,15 +262,21 @@ def _cached_step(index: int):
             "seconds": stats.compile_seconds, "log": records}
 
 
-def test_persistent_cache_hit_is_counted_and_logged(tmp_path):
+@pytest.mark.parametrize("nprocs,cpu_devices", [(1, 2), (2, 1)], ids=["one_process", "two_processes"])
+def test_persistent_cache_hit_is_counted_and_logged_on_every_process(tmp_path, nprocs, cpu_devices):
+    """A job started again (a restart, the next run) loads its programs from the persistent cache
+    on every process, not on process 0 alone (JAX writes entries from process 0 only, and on a CPU
+    mesh every process has keys of its own: tpudist._jaxcompat.cache_writes_from_every_process)."""
     env = {contract.CACHE_DIR: str(tmp_path / "xla")}
-    first = tpudist.spawn(_cached_step, nprocs=1, cpu_devices=2, env=env, timeout=60)[0]
-    second = tpudist.spawn(_cached_step, nprocs=1, cpu_devices=2, env=env, timeout=60)[0]
-    assert first["value"] == second["value"] == float((np.arange(4) * 3 + 1).sum() * 1)
-    assert (first["compiles"], first["hits"]) == (1, 0)
-    assert (second["compiles"], second["hits"]) == (1, 1)
-    assert any("compiled in" in line for line in first["log"])
-    assert any("loaded from the persistent compilation cache" in line for line in second["log"])
+    first = tpudist.spawn(_cached_step, nprocs=nprocs, cpu_devices=cpu_devices, env=env, timeout=60)
+    second = tpudist.spawn(_cached_step, nprocs=nprocs, cpu_devices=cpu_devices, env=env, timeout=60)
+    for rank, (a, b) in enumerate(zip(first, second)):
+        # each process gives its rows of the global batch: np.arange(4) each
+        assert a["value"] == b["value"] == nprocs * float((np.arange(4) * 3 + 1).sum()), rank
+        assert (a["compiles"], a["hits"]) == (1, 0), f"rank {rank}: {a}"
+        assert (b["compiles"], b["hits"]) == (1, 1), f"rank {rank} compiled again after a restart: {b}"
+        assert any("compiled in" in line for line in a["log"])
+        assert any("loaded from the persistent compilation cache" in line for line in b["log"])
     assert any(tmp_path.joinpath("xla").iterdir())
 
 

@@ -124,3 +124,9 @@ def test_no_other_module_calls_private_jax():
                     found += [f"{os.path.relpath(path, package)}:{i}: {line.strip()}"
                               for i, line in enumerate(f, 1) if _PRIVATE.search(line)]
     assert not found, "private JAX calls outside tpudist/_jaxcompat.py:\n" + "\n".join(found)
+
+
+def test_every_process_writes_the_compilation_cache_through_the_private_hook():
+    """Where the hook moved, processes other than 0 compile everything again after a restart
+    (tests/compile/test_jax_step.py shows the hits)."""
+    assert _jaxcompat.cache_writes_from_every_process(), "jax._src.compiler._compile_and_write_cache moved"
