@@ -290,3 +290,24 @@ def test_greedy_generation_on_one_device_decodes_inside_one_xla_loop_with_eager_
         torch.manual_seed(0)
         tpudist.generate(model, requests[:2], buckets=buckets, batch_size=2, max_new_tokens=2, do_sample=True)
         assert tpudist.generate_stats().loop == "generate" and "do_sample" in tpudist.generate_stats().why
+
+
+@pytest.mark.tpudist(nprocs=1, cpu_devices=1)
+def test_later_batches_of_a_bucket_run_their_whole_decode_inside_the_loop_until_the_model_changes():
+    """A bucket's first batch runs its first decode step through dynamo; the batches after it start
+    inside the loop where dynamo's own guard of that step holds. Replies equal eager torch's in both,
+    and after a change to the model that both steps read (dynamo traces both again) as well."""
+    requests = [r[:8] for r in prompts(12, 8, seed=5)]
+    eager, model = tiny("gpt2"), tiny("gpt2")
+    for run in range(2):
+        replies = tpudist.generate(model, requests, buckets=(8,), batch_size=4, max_new_tokens=5)
+        assert replies == eager_replies(eager, requests, (8,), 4, 5), run
+        stats = tpudist.generate_stats()
+        assert (stats.loop, stats.first_steps_on_device) == ("device", 2 if run == 0 else 3), (run, stats)
+        assert stats.loop_executables == 1, stats  # one loop whether it starts at the first or the second step
+    for m in (eager, model):
+        m.transformer.h[0].attn.scaling = 0.5  # a Python float dynamo specialises both steps on
+    replies = tpudist.generate(model, requests, buckets=(8,), batch_size=4, max_new_tokens=5)
+    assert replies == eager_replies(eager, requests, (8,), 4, 5)
+    assert replies != eager_replies(tiny("gpt2"), requests, (8,), 4, 5)  # the change changed the replies
+    assert tpudist.generate_stats().first_steps_on_device == 2

@@ -69,21 +69,7 @@ class CompiledModule(torch.nn.Module):
         stats = self._stats
         stats.calls += 1
         _stacks.entered("compiled module")  # progress for the launcher's --hang-timeout
-        if self._long_lived and not kwargs:
-            # dynamo's flat call: its guards already pin the parameters' and buffers' shapes and dtypes
-            leaves, spec = list(args), len(args)
-            if self._keyed is None:
-                self._keyed = [i for i in range(len(args)) if i not in self._long_lived]
-            keyed = [args[i] for i in self._keyed]
-        elif not kwargs and all(type(a) is torch.Tensor for a in args):
-            # the common call, cm(x) / cm(x, y): no pytree walk (tens of us a call)
-            leaves, spec = list(args), len(args)
-            keyed = leaves
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-            keyed = leaves
-        key = (tuple(m.training for m in self._submodules), spec, tuple(leaf_key(leaf) for leaf in keyed),
-               autocast_state())
+        leaves, key = self._key(args, kwargs)
         program = self._programs.get(key)
         guard = program.captured.guard if program is not None else None
         if guard is not None and not guard.holds(leaves):  # a data-dependent value changed
@@ -102,6 +88,34 @@ class CompiledModule(torch.nn.Module):
             stats.cache_hits += 1
         self.last_program = program
         return program(leaves)
+
+    def program_for(self, leaves: list[Any]) -> Program | None:
+        """The program a call with dynamo's flat inputs `leaves` would run now, brought up to date
+        as a call brings it (`sync_module`), without running it; None where that call would capture."""
+        sync_module(self.module)
+        leaves, key = self._key(tuple(leaves), {})
+        program = self._programs.get(key)
+        guard = program.captured.guard if program is not None else None
+        return None if guard is not None and not guard.holds(leaves) else program
+
+    def _key(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+        """A call's flat inputs and the key of its program."""
+        if self._long_lived and not kwargs:
+            # dynamo's flat call: its guards already pin the parameters' and buffers' shapes and dtypes
+            leaves, spec = list(args), len(args)
+            if self._keyed is None:
+                self._keyed = [i for i in range(len(args)) if i not in self._long_lived]
+            keyed = [args[i] for i in self._keyed]
+        elif not kwargs and all(type(a) is torch.Tensor for a in args):
+            # the common call, cm(x) / cm(x, y): no pytree walk (tens of us a call)
+            leaves, spec = list(args), len(args)
+            keyed = leaves
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            keyed = leaves
+        key = (tuple(m.training for m in self._submodules), spec, tuple(leaf_key(leaf) for leaf in keyed),
+               autocast_state())
+        return leaves, key
 
     def __getattr__(self, name: str) -> Any:
         try:

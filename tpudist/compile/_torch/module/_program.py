@@ -241,16 +241,17 @@ def slot_tensors(program: Program, leaves: list[Any]) -> list[torch.Tensor]:
     return [resolve(leaves) for resolve in program._resolve]
 
 
-def loop_arrays(program: Program, leaves: list[Any], device: Any,
-                written: list[int]) -> tuple[list[Any], list[jax.Array]]:
+def loop_arrays(program: Program, leaves: list[Any], device: Any, written: list[int],
+                fed: frozenset[int] = frozenset()) -> tuple[list[Any], list[jax.Array]]:
     """The input arrays of a call of `program` with `leaves` on `device` (or over the program's
     layout): the read-only ones as a call makes them (views of torch's tensors where it can see the
-    device; the layout's arrays), and the inputs at `written` separately, None at their positions:
-    the arrays the program keeps for them on the devices (handed over: the caller's loop donates
-    them, so torch's tensors are what the caller must not read again), or copies of torch's tensors."""
+    device; the layout's arrays), None at the positions `fed` (the caller's loop feeds them), and
+    the inputs at `written` separately, None at their positions: the arrays the program keeps for
+    them on the devices (handed over: the caller's loop donates them, so torch's tensors are what
+    the caller must not read again), or copies of torch's tensors."""
     tensors = slot_tensors(program, leaves)
     layout = program._layout
-    gone = set(written)
+    gone = set(written) | fed
     if layout:
         arrays = [None if i in gone else layout.array(t) for i, t in enumerate(tensors)]
         arrays = [a if a is not None or i in gone else layout.put(tensors[i].detach()) for i, a in enumerate(arrays)]

@@ -47,6 +47,9 @@ class GenerateStats:
     loop: str = ""  # "device": greedy decode steps inside one XLA program; "generate": Hugging Face's loop
     why: str = ""  # why Hugging Face's loop ran, where it did
     loop_executables: int = 0  # XLA executables of the device loop compiled so far for this model
+    # batches whose first decode step ran inside the loop too: those after a bucket's first, where
+    # dynamo's own guard of the decode step holds (the first batch's first step goes through dynamo)
+    first_steps_on_device: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,6 +116,7 @@ def generate(model: torch.nn.Module, prompts: Iterable[Sequence[int] | torch.Ten
     stats = GenerateStats(requests=len(requests), why=why)
     bar = _Bar(progress, log, len(requests))
     start = time.perf_counter()
+    shortcuts = decode.first_steps_on_device if decode is not None else 0
     for first in range(0, len(order), batch_size):
         chosen = order[first:first + batch_size]
         bucket = next(b for b in buckets if b >= max(len(requests[i]) for i in chosen))
@@ -143,6 +147,7 @@ def generate(model: torch.nn.Module, prompts: Iterable[Sequence[int] | torch.Ten
         stats.why = "" if decode.on_device else ("the decode step is not one graph on one device (a graph break, "
                                                  "random numbers, or an input that changes per token)")
         stats.loop_executables = decode.executables
+        stats.first_steps_on_device = decode.first_steps_on_device - shortcuts
     else:
         stats.loop = "generate"
     global last_stats
