@@ -149,10 +149,12 @@ class DecodeLoop:
             return {"ids": token, "mask": mask, "position_ids": mask.sum(-1, keepdim=True) - 1,
                     "cache_position": torch.tensor([position])}
 
-        def decode(token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            """One decode step from Python: the next token, and the step's inputs by role."""
+        def decode(token: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            """One decode step from Python (its inputs by role made here where not given): the next
+            token, and those inputs."""
             nonlocal position
-            inputs = inputs_at(token)
+            inputs = inputs_at(token) if inputs is None else inputs
             position += 1
             return pick(self._step(model, *inputs.values(), cache)), inputs
 
@@ -173,7 +175,7 @@ class DecodeLoop:
                         self.first_steps_on_device += 1
                     else:
                         before = [g.calls for g in self._graphs]
-                        token, inputs = decode(token)
+                        token, inputs = decode(token, inputs)
                         called = self._called(before)
                         leaves = [g.last for g in called]
                         rest = new_tokens - 2
