@@ -88,7 +88,7 @@ def versions() -> dict[str, str]:
 
 
 STDIN_CLOSED = "stdin closed: the launcher or its connection is gone"
-PARENT_GONE_S = 0.3  # after a SIGTERM, how long to watch for the parent's death (to say which it was)
+PARENT_GONE_S = 1.0  # after a SIGTERM or a closed stdin, how long to watch for the parent's death (to say which)
 _AGENT_GOING = (STDIN_CLOSED, "SIGTERM", "SIGHUP")  # reasons to end that are the agent's own, not the launcher's
 
 
@@ -182,9 +182,10 @@ class Agent:
 
     def _going(self) -> str:
         """Why this agent ends by itself, as the launcher says it."""
-        # Its parent's death signal comes when the parent's *thread* that started it exits, which for
-        # a killed process is before the process is gone: give the rest of it a moment to go.
-        deadline = time.monotonic() + (PARENT_GONE_S if self.ending.reason == "SIGTERM" else 0.0)
+        # Its parent's death signal comes when the parent's *thread* that started it exits, and a killed
+        # parent's end of the stdin pipe closes, before the process is gone: give the rest of it a moment.
+        waits = self.ending.reason in ("SIGTERM", STDIN_CLOSED)
+        deadline = time.monotonic() + (PARENT_GONE_S if waits else 0.0)
         while os.getppid() == self.parent and time.monotonic() < deadline:
             time.sleep(0.01)
         if os.getppid() != self.parent:
