@@ -33,6 +33,9 @@ default (TORCH_THREADS below says why). Contenders:
 - jax_floor_per_layer: that floor with the cache kept as the torch model's StaticCache keeps it,
   one array per layer for K and one for V: whether the cache's layout, rather than tpudist, costs
   anything against jax_floor.
+- jax_floor_device_loop: jax_floor_per_layer's decode steps inside one `lax.while_loop` (one jitted
+  call after the prefill, argmax on the device): the floor of tpudist_generate's design, which runs
+  its decode the same way. tpudist_generate's rows give their ratio to it too (`/device-loop floor`).
 - jax_floor_tp4: that floor with its weights laid out as tpudist_tp4's (the layout's shardings),
   in the same processes and mesh: the tensor-parallel floor, which tpudist_tp4's ratios are over.
 
@@ -79,7 +82,7 @@ from typing import Any
 import _bench
 
 CONTENDERS = ("tpudist", "tpudist_generate", "tpudist_tp4", "tpudist_generate_tp4", "eager_static", "eager_dynamic",
-              "hf_loop", "jax_floor", "jax_floor_per_layer", "jax_floor_tp4")
+              "hf_loop", "jax_floor", "jax_floor_per_layer", "jax_floor_device_loop", "jax_floor_tp4")
 UNCHECKED = ("hf_loop",)  # its forward computes nothing: no tokens or logits to compare
 TP_SIDES = ("tpudist_tp4", "tpudist_generate_tp4", "jax_floor_tp4")  # the tensor-parallel run's; the last is its floor
 TP_DEVICES, TP_PROCESSES = 4, 2
@@ -351,8 +354,19 @@ class Floor:
         def decode(p: dict, token: Any, start: Any, k: Any, v: Any) -> Any:
             return _forward(arch, p, token[:, None], _Cache(k, v, start, decode=True))
 
+        def decode_loop(p: dict, token: Any, start: Any, k: Any, v: Any, steps: Any, width: int) -> Any:
+            def step(carry: tuple) -> tuple:
+                i, token, k, v, out = carry
+                token, _, k, v = _forward(arch, p, token[:, None], _Cache(k, v, start + i, decode=True))
+                return i + 1, token, k, v, out.at[:, i].set(token)
+
+            out = jnp.zeros((token.shape[0], width), jnp.int32)
+            _, _, k, v, out = jax.lax.while_loop(lambda carry: carry[0] < steps, step, (jnp.int32(0), token, k, v, out))
+            return out, k, v  # the cache too: its donated buffers hold the new one
+
         self.prefill = jax.jit(prefill)
         self.decode = jax.jit(decode, donate_argnums=(3, 4))
+        self.decode_loop = jax.jit(decode_loop, static_argnums=6, donate_argnums=(3, 4))
         self.cache_bytes = 0
         self.put = lambda ids: jnp.asarray(ids.numpy(), jnp.int32)  # the prompt onto the devices
 
@@ -380,6 +394,17 @@ class Floor:
                 kept.append(step_logits)
         out = _host(jnp.stack(tokens, axis=1))  # the one wait: the last token's (a writable copy, for torch)
         return (out, _host(jnp.stack(kept, axis=1))) if logits else out
+
+    def generate_in_loop(self, ids: Any, new_tokens: int) -> Any:
+        """`generate(ids, new_tokens)` with the decode steps inside one `lax.while_loop` (one call)."""
+        import jax.numpy as jnp
+        import numpy as np
+        token, _, k, v = self.prefill(self.params, self.put(ids))
+        if new_tokens == 1:
+            return _host(token[:, None])
+        rest, _, _ = self.decode_loop(self.params, token, np.int32(ids.shape[1]), k, v, np.int32(new_tokens - 1),
+                                      new_tokens - 1)
+        return _host(jnp.concatenate([token[:, None], rest], axis=1))
 
 
 def _host(array: Any) -> Any:
@@ -527,7 +552,8 @@ def measure_here(name: str, setup: dict[str, Any]) -> dict[str, Any]:
                 "tpudist_generate": lambda n: device_loop(looped, ids, n, cache_len),
                 "hf_loop": lambda n: generate(loop, ids, n, cache_len),
                 "jax_floor": lambda n: torch.from_numpy(floor.generate(ids, n)),
-                "jax_floor_per_layer": lambda n: torch.from_numpy(per_layer.generate(ids, n))}
+                "jax_floor_per_layer": lambda n: torch.from_numpy(per_layer.generate(ids, n)),
+                "jax_floor_device_loop": lambda n: torch.from_numpy(per_layer.generate_in_loop(ids, n))}
         result["times"][batch], last = time_generation(runs, new_tokens, setup["rounds"], tpudist_captures)
         result["tokens"][batch] = {side: out.numpy() for side, out in last.items()}
         if batch == setup["batches"][0]:
@@ -588,12 +614,14 @@ def rows_of(name: str, here: dict[str, Any], tp: dict[str, Any] | None, batches:
             if side == "tpudist" and here["floor_ok"]:  # the floor any backend under HF's generate() has
                 row[f"over_floor_loop_b{b}"] = ratio(ms, times["jax_floor"][b]["decode_ms"]
                                                      + times["hf_loop"][b]["decode_ms"])
+            if side == "tpudist_generate" and here["floor_ok"]:  # the floor of a decode inside one loop
+                row[f"over_device_loop_b{b}"] = ratio(ms, times["jax_floor_device_loop"][b]["decode_ms"])
             row[f"samples_s_b{b}"] = times[side][b]["samples_s"]
         if side in TP_SIDES:
             memory = tp["memory"]
             row.update(params_per_device=memory["parameters"], cache_per_device=memory["cache"],
                        params_total=memory["parameters_total"], cache_total=memory["cache_total"])
-        elif side in ("jax_floor", "jax_floor_per_layer"):
+        elif side in ("jax_floor", "jax_floor_per_layer", "jax_floor_device_loop"):
             row.update(params_per_device=whole["parameters"], cache_per_device=here["floor_cache"])
         else:
             row.update(params_per_device=whole["parameters"], cache_per_device=whole["cache"])
@@ -612,6 +640,7 @@ def columns(batches: list[int]) -> list[tuple]:
     cols += [(f"tok/s b{b}", f"tokens_per_s_b{b}", ".0f") for b in batches[1:]]
     cols += [(f"/floor b{first}", f"over_floor_b{first}", "x"), (f"/floor b{last}", f"over_floor_b{last}", "x"),
              (f"/floor+loop b{first}", f"over_floor_loop_b{first}", "x"),
+             (f"/device-loop floor b{first}", f"over_device_loop_b{first}", "x"),
              (f"/eager-static b{first}", f"over_eager_static_b{first}", "x"),
              (f"/eager-static b{last}", f"over_eager_static_b{last}", "x"),
              ("params/dev", "params_per_device", "bytes"), ("cache/dev", "cache_per_device", "bytes"),
