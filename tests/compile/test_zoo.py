@@ -297,7 +297,13 @@ def test_three_fused_steps_match_eager_torch_optim(name):
     assert step.stats.compiles == 1
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in ZOO.items() if e.has_dropout))
+# MobileNetV2's only dropout is its classifier's nn.Dropout, the op the other models drop out with, and
+# its 16 blocks cost ~20 s of XLA:CPU compile per program: its forward, gradients and fused steps are
+# tested above
+DROPOUT_AS_OTHERS = {"mobilenet_v2"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in ZOO.items() if e.has_dropout and n not in DROPOUT_AS_OTHERS))
 def test_with_default_dropout_the_fused_step_learns(name):
     entry = ZOO[name]
     model = build(name, dropout=True)
