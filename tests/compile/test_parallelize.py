@@ -265,6 +265,32 @@ def test_one_device_generation_keeps_torchs_cache_current_by_what_each_token_wro
                                     {f"keys {i}": truth.keys, f"values {i}": truth.values})
 
 
+@pytest.mark.tpudist(nprocs=1, cpu_devices=1, env={"TPUDIST_TORCH_HOST_VIEW": "0"})
+def test_a_cache_torch_wrote_after_the_prefill_is_read_as_torch_has_it():
+    """On the accelerator's path the static cache a compiled prefill creates stays on the device for
+    the next call, but only while torch has not written it: a decode step after an in-place edit of
+    the cache's tensors reads torch's values, as eager torch does."""
+    from transformers import StaticCache
+    eager, model = tiny("gpt2"), tiny("gpt2")
+    model.forward = torch.compile(model.forward, backend="tpudist")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 7, 9, 3, 2]])
+
+    def second_logits(m: torch.nn.Module, edit: bool) -> torch.Tensor:
+        cache = StaticCache(config=m.config, max_cache_len=16)
+        name = "cache" if "cache" in inspect.signature(eager.forward).parameters else "past_key_values"
+        with torch.no_grad():
+            first = m(ids, use_cache=True, cache_position=torch.arange(6), **{name: cache}).logits[:, -1]
+            if edit:  # torch writes the cache the prefill created, in place
+                for layer in cache.layers:
+                    layer.keys[:, :, 2:4].mul_(-3.0)
+            token = first.argmax(-1, keepdim=True)
+            return m(token, use_cache=True, cache_position=torch.tensor([6]), **{name: cache}).logits[:, -1]
+
+    for edit in (False, True):
+        torch.testing.assert_close(second_logits(model, edit), second_logits(eager, edit), rtol=1e-4, atol=1e-4)
+    assert (second_logits(eager, True) - second_logits(eager, False)).abs().max() > 1e-2  # the edit matters
+
+
 @pytest.mark.tpudist(nprocs=1, cpu_devices=1)
 def test_greedy_generation_on_one_device_decodes_inside_one_xla_loop_with_eager_torchs_tokens():
     """Issue 41's decode latency: tpudist.generate on one device runs its greedy decode steps inside

@@ -141,7 +141,8 @@ def to_host(arrays: list[Any]) -> list[Any]:
     host = host_device()
     if host is None or not arrays:
         return [np.array(a) for a in arrays]
-    return jax.device_put(arrays, host)
+    # the stand-in (HOST_VIEW False on XLA:CPU): a copy, as from a TPU, not the device's own buffer
+    return jax.device_put(arrays, host, may_alias=False if HOST_VIEW is False else None)
 
 
 def _off_host(array: jax.Array) -> bool:

@@ -13,13 +13,13 @@ import jax
 import numpy as np
 import torch
 
-from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, where
+from tpudist.compile._torch._convert import ViewCache, Where, to_jax, to_torch, viewable, where
 from tpudist.compile._torch._placement import InputStaging
 from tpudist.compile._torch.lowering._captured import Captured, resolver
 from tpudist.compile._torch.module._autograd import XlaCall, XlaFunction
 from tpudist.compile._torch.module._executables import Executables, host_values
 from tpudist.compile._torch.module._laid_out import whole
-from tpudist.compile._torch.module._resident import Resident, scatter_outputs, write_scatter
+from tpudist.compile._torch.module._resident import TWINS, Resident, scatter_outputs, write_scatter, written_array
 from tpudist.compile._torch._layout import Layout, layout_of_tensor
 
 
@@ -100,14 +100,14 @@ class Program:
             donate = []  # resident written inputs: the executable updates them in place
             for i in self._short:
                 slot = self._slots[i]
-                kept = self._resident.get(i, tensors[i], device) if slot.mutated else None
+                kept = written_array(self._resident, i, tensors[i], device, place.host) if slot.mutated else None
                 if kept is not None:
                     donate.append(i)
                 arrays[i] = (kept if kept is not None else staged[i] if staged is not None and i in staged
                              else to_jax(tensors[i], copy=slot.mutated, device=device))
             seed = _seed() if self.captured.has_random else np.uint32(0)
             outputs: list[Any] = [None] * len(self.captured.outputs)
-            keep = frozenset()
+            keep, on_device = frozenset(), None
             if diff and executables.floats:
                 call = XlaCall(executables, arrays, diff, seed, place)
                 floats = XlaFunction.apply(call, *(tensors[i] for i in diff))
@@ -115,7 +115,8 @@ class Program:
             else:
                 # converting an output to torch waits for it; by then XLA is done reading the inputs
                 keep = self._keep
-                results = executables.forward(arrays, seed, place, keep, tuple(donate))
+                on_device = executables.forward(arrays, seed, place._replace(host=False), keep, tuple(donate))
+                results = host_values(on_device, keep) if place.host else on_device
                 floats = [to_torch(results[i], self.captured.outputs[i].dtype) for i in executables.floats]
                 rest = [results[i] for i in executables.rest]
                 # what staging waits on before reusing its buffers: an output no later call donates
@@ -128,6 +129,8 @@ class Program:
         for i, value in zip(executables.rest, rest):
             slot = self.captured.outputs[i]
             outputs[i] = value if i in keep or slot.dtype is None else to_torch(value, slot.dtype)
+        if place.host and on_device is not None:  # what crossed to the host: its device arrays (see Twins)
+            TWINS.replace(id(self), outputs, on_device, self.captured.outputs, device)
         return self._finish(outputs, leaves, tensors, place)
 
     def _find_layout(self, tensors: list[torch.Tensor]) -> Layout | None:
@@ -268,6 +271,8 @@ def loop_arrays(program: Program, leaves: list[Any], device: Any, written: list[
     for i in written:
         kept = program._resident.get(i, tensors[i], layout or device)
         program._resident.drop(i)
+        if kept is None and not layout and not viewable(device):
+            kept = TWINS.take(tensors[i], device)  # an earlier call's output (the prefill's cache), still there
         if kept is None:
             kept = (layout.put(tensors[i].detach(), program._executables.laid_out.resident_spec(i)) if layout
                     else to_jax(tensors[i], copy=True, device=device))

@@ -14,10 +14,15 @@ tensor weighs: for a static KV cache, the whole cache per generated token. So
   (`scatter_outputs` adds them to the graph's outputs); any other write crosses whole.
 
 Torch's tensor is therefore always current: nothing reads it stale, and no door is needed.
+
+Where torch cannot view the device, an output crosses to the host as a copy; `Twins` keeps the
+device array it came from, which a later call that writes the tensor in place takes instead of
+uploading it (the static cache a prefill creates, written by the decode step or loop).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,7 @@ from typing import Any
 import jax
 import torch
 
+from tpudist.compile._torch._convert import jax_dtype
 from tpudist.compile._torch.lowering._captured import Captured, OutputSlot, Slot
 
 _INDEX_PUT = torch.ops.aten.index_put.default
@@ -119,3 +125,64 @@ def write_scatter(tensor: torch.Tensor, scatter: Scatter, outputs: list[Any]) ->
     where = tuple(slice(None) if i is None else outputs[i] for i in scatter.indices)
     with torch.no_grad():
         tensor[where] = outputs[scatter.values].to(tensor.dtype)
+
+
+class Twins:
+    """The device arrays of the tensors torch got from a call's outputs where torch cannot view the
+    device (a TPU): each output crossed to the host as a copy, and the array it came from is still
+    on the device. A later call that writes such a tensor in place (the static cache a prefill
+    created, taken by the decode step or the decode loop) takes the array instead of uploading the
+    tensor again, while torch has not changed the tensor since (identity, data pointer, version).
+
+    Only the last call of each program keeps its twins (a new call of the program replaces them),
+    so the device holds at most one call's outputs twice; a twin taken is the taker's (donated)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[Any, int, int, Any, jax.Array, int]] = {}  # id(tensor) -> entry
+        self._owned: dict[int, list[int]] = {}  # owner -> ids of its last call's tensors
+
+    def replace(self, owner: int, outputs: list[Any], arrays: list[Any], slots: list[OutputSlot],
+                device: Any) -> None:
+        """`owner`'s last call: the twins of its user outputs (torch's `outputs`, from `arrays` on
+        `device`) instead of its call before's: each CPU tensor whose array is a JAX array of the
+        dtype `to_jax` makes of it."""
+        for key in self._owned.pop(owner, ()):
+            entry = self._arrays.get(key)
+            if entry is not None and entry[5] == owner:
+                del self._arrays[key]
+        kept = [(tensor, array) for tensor, array, slot in zip(outputs, arrays, slots)
+                if slot.kind == Slot.USER and isinstance(tensor, torch.Tensor) and isinstance(array, jax.Array)
+                and tensor.device.type == "cpu" and jax_dtype(tensor.dtype) == array.dtype]
+        for tensor, array in kept:
+            ref = weakref.ref(tensor, functools.partial(self._gone, id(tensor)))  # a dead tensor's twin goes too
+            self._arrays[id(tensor)] = (ref, tensor._version, tensor.data_ptr(), device, array, owner)
+        if kept:
+            self._owned[owner] = [id(tensor) for tensor, _ in kept]
+
+    def _gone(self, key: int, ref: Any) -> None:
+        entry = self._arrays.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._arrays[key]
+
+    def take(self, tensor: torch.Tensor, device: Any) -> jax.Array | None:
+        """The array `tensor` was copied from, handed over (no longer kept), or None."""
+        entry = self._arrays.get(id(tensor))
+        if entry is None:
+            return None
+        del self._arrays[id(tensor)]
+        ref, version, pointer, place, array, _ = entry
+        if ref() is not tensor or tensor._version != version or tensor.data_ptr() != pointer or place != device \
+                or array.is_deleted():
+            return None
+        return array
+
+
+TWINS = Twins()
+
+
+def written_array(resident: Resident, position: int, tensor: torch.Tensor, device: Any,
+                  host: bool) -> jax.Array | None:
+    """The array a program takes for the input it writes at `position`: its own from its last call,
+    else (`host`: torch cannot view the device) the twin of an earlier call's output; None: upload it."""
+    kept = resident.get(position, tensor, device)
+    return kept if kept is not None or not host else TWINS.take(tensor, device)
