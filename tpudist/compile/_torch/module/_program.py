@@ -269,10 +269,9 @@ def loop_arrays(program: Program, leaves: list[Any], device: Any, written: list[
                 arrays[i] = to_jax(tensors[i], device=device)
     carried = []
     for i in written:
-        kept = program._resident.get(i, tensors[i], layout or device)
+        # (the prefill's cache: an earlier call's output, still on a device torch cannot view)
+        kept = written_array(program._resident, i, tensors[i], layout or device, not layout and not viewable(device))
         program._resident.drop(i)
-        if kept is None and not layout and not viewable(device):
-            kept = TWINS.take(tensors[i], device)  # an earlier call's output (the prefill's cache), still there
         if kept is None:
             kept = (layout.put(tensors[i].detach(), program._executables.laid_out.resident_spec(i)) if layout
                     else to_jax(tensors[i], copy=True, device=device))

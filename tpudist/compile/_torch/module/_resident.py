@@ -138,26 +138,21 @@ class Twins:
     so the device holds at most one call's outputs twice; a twin taken is the taker's (donated)."""
 
     def __init__(self) -> None:
-        self._arrays: dict[int, tuple[Any, int, int, Any, jax.Array, int]] = {}  # id(tensor) -> entry
-        self._owned: dict[int, list[int]] = {}  # owner -> ids of its last call's tensors
+        self._arrays: dict[int, tuple[Any, int, int, Any, jax.Array, int]] = {}  # id(tensor) -> entry, owner last
 
     def replace(self, owner: int, outputs: list[Any], arrays: list[Any], slots: list[OutputSlot],
                 device: Any) -> None:
         """`owner`'s last call: the twins of its user outputs (torch's `outputs`, from `arrays` on
         `device`) instead of its call before's: each CPU tensor whose array is a JAX array of the
         dtype `to_jax` makes of it."""
-        for key in self._owned.pop(owner, ()):
-            entry = self._arrays.get(key)
-            if entry is not None and entry[5] == owner:
-                del self._arrays[key]
+        for key in [key for key, entry in self._arrays.items() if entry[5] == owner]:
+            del self._arrays[key]
         kept = [(tensor, array) for tensor, array, slot in zip(outputs, arrays, slots)
                 if slot.kind == Slot.USER and isinstance(tensor, torch.Tensor) and isinstance(array, jax.Array)
                 and tensor.device.type == "cpu" and jax_dtype(tensor.dtype) == array.dtype]
         for tensor, array in kept:
             ref = weakref.ref(tensor, functools.partial(self._gone, id(tensor)))  # a dead tensor's twin goes too
             self._arrays[id(tensor)] = (ref, tensor._version, tensor.data_ptr(), device, array, owner)
-        if kept:
-            self._owned[owner] = [id(tensor) for tensor, _ in kept]
 
     def _gone(self, key: int, ref: Any) -> None:
         entry = self._arrays.get(key)
