@@ -134,6 +134,7 @@ class CompiledStep:
         self._serialize = (len(processes) > 1 and len(local) > 1
                            and all(getattr(d, "platform", "") == "cpu" for d in local))
         self._in_flight: list[Any] = []
+        self._stored: Any = None  # see store_lowered
 
     def __repr__(self) -> str:
         return (f"CompiledStep({self.name}, mesh={dict(self.mesh.shape)}, per_device={self.per_device}, "
@@ -206,9 +207,45 @@ class CompiledStep:
 
     def _compile_now(self, key: Any, dynamic: list[Any], statics: tuple, nargs: int) -> Any:
         _install_listener()
+        body, donate = self._wrapped(self.fn, dynamic, statics, nargs)
+        jitted = jax.jit(body, donate_argnums=donate)
+        with _stats_lock:
+            hits_before = _persistent_hits
+        start = time.perf_counter()
+        if self._stored is not None:
+            executable, flops = self._stored.compile(self, jitted, donate, dynamic, statics, nargs)
+        else:
+            traced = jitted.trace(*dynamic)
+            flops = model_flops(traced.jaxpr, self.mesh.devices.size)
+            executable = traced.lower().compile()
+        if not self.per_device:
+            executable = self._pin_outputs(executable, body, donate, dynamic)
+        seconds = time.perf_counter() - start
+        self._flops[id(executable)] = flops
+        with _stats_lock:
+            hit = _persistent_hits > hits_before
+            delta = CompileStats(compiles=1, cache_hits=int(hit), compile_seconds=seconds)
+            _totals._add(delta)
+        self.stats._add(delta)
+        self._executables[key] = executable
+        shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree_util.tree_leaves(dynamic)[:6])
+        more = len(jax.tree_util.tree_leaves(dynamic)) - 6
+        log.info("tpudist.compile: %s %s in %.2fs (signature %d; args %s%s)", self.name,
+                 "loaded from the persistent compilation cache" if hit else "compiled", seconds,
+                 len(self._executables), shapes, f", +{more} more" if more > 0 else "")
+        return executable
+
+    def store_lowered(self, stored: Any) -> None:
+        """Keeps the lowered program between processes (`stored.compile`, the fused torch step's
+        step cache: `tpudist.compile._torch.train._stored`)."""
+        self._stored = stored
+
+    def _wrapped(self, fn: Callable[..., Any], dynamic: list[Any], statics: tuple,
+                 nargs: int) -> tuple[Callable[..., Any], tuple[int, ...]]:
+        """`fn` as the step jits it (statics bound, under shard_map or with its outputs laid out),
+        and the donated positions among the dynamic arguments."""
         static_idx = [i for i, _ in statics]
         dynamic_idx = [i for i in range(nargs) if i not in static_idx]
-        fn = self.fn
 
         def with_statics(*dyn: Any) -> Any:
             full: list[Any] = [None] * nargs
@@ -227,29 +264,7 @@ class CompiledStep:
         elif self.out_specs is not None:
             body = self._constrained(with_statics)
         donate = tuple(dynamic_idx.index(i % nargs) for i in self.donate_argnums)
-        jitted = jax.jit(body, donate_argnums=donate)
-        with _stats_lock:
-            hits_before = _persistent_hits
-        start = time.perf_counter()
-        traced = jitted.trace(*dynamic)
-        flops = model_flops(traced.jaxpr, self.mesh.devices.size)
-        executable = traced.lower().compile()
-        if not self.per_device:
-            executable = self._pin_outputs(executable, body, donate, dynamic)
-        seconds = time.perf_counter() - start
-        self._flops[id(executable)] = flops
-        with _stats_lock:
-            hit = _persistent_hits > hits_before
-            delta = CompileStats(compiles=1, cache_hits=int(hit), compile_seconds=seconds)
-            _totals._add(delta)
-        self.stats._add(delta)
-        self._executables[key] = executable
-        shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree_util.tree_leaves(dynamic)[:6])
-        more = len(jax.tree_util.tree_leaves(dynamic)) - 6
-        log.info("tpudist.compile: %s %s in %.2fs (signature %d; args %s%s)", self.name,
-                 "loaded from the persistent compilation cache" if hit else "compiled", seconds,
-                 len(self._executables), shapes, f", +{more} more" if more > 0 else "")
-        return executable
+        return body, donate
 
     def _constrained(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with its outputs laid out by `out_specs` (None leaves: XLA's choice)."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch.lowering._shape_checks import check_shapes
-from tpudist.compile._torch.lowering import _custom_grad, _custom_vjp, _observed
+from tpudist.compile._torch.lowering import _capture_cache, _custom_grad, _custom_vjp, _observed
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
@@ -66,7 +66,8 @@ def _autocast(state: tuple) -> Any:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
-            torch_autograd: bool = True, check_ops: bool = True, experts: bool = False) -> Captured:
+            torch_autograd: bool = True, check_ops: bool = True, experts: bool = False,
+            cache: bool = False) -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
 
     `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
@@ -77,6 +78,8 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
     cannot lower. `where` names the caller in messages (e.g. "tpudist.fit"). `check_ops=False`
     (tpudist.explain) returns the graph even when ops have no lowering, to list them all.
     `experts=True` (expert parallelism) captures `transformers`' experts modules as one op each.
+    `cache=True` (the fused step) looks the exported graph up in the step cache (`_capture_cache`):
+    on a hit the graph stays undecomposed until something lowers it (`Captured.complete`).
     """
     start = time.perf_counter()
     autocast = autocast_state()
@@ -119,6 +122,27 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
         _keep_stop_gradients(program.graph_module)
         _keep_attention(program.graph_module)
         check_shapes(program.graph_module.graph)  # what torch's kernels refuse and its meta kernels let through
+        template = flat.template()
+        assert template is not None, "the traced forward did not run"
+        key = _capture_cache.key_of(program, (autocast, experts, check_ops, torch_autograd)) \
+            if cache and guard is None else None
+        entry = _capture_cache.load("capture", key) if key is not None else None
+        if entry is not None:
+            captured = Captured.from_entry(entry, program, template, key, lambda: _decomposed(
+                program, template, guard, where, check_ops, start))
+            captured.seconds = time.perf_counter() - start
+            return captured
+        captured = _decomposed(program, template, guard, where, check_ops, start)
+    if key is not None:
+        _capture_cache.store_capture(key, captured, program)
+    return captured
+
+
+def _decomposed(program: torch.export.ExportedProgram, template: Any, guard: Any, where: str, check_ops: bool,
+                start: float) -> Captured:
+    """The rest of a capture after torch.export: the decomposition to core ATen and its checks."""
+    program.graph_module.recompile()  # the rewrites above changed its graph (a step cache hit never needs it)
+    with torch.enable_grad(), warnings.catch_warnings(), _custom_grad.intercepted():
         try:
             with _observed.quiet() if guard is not None else contextlib.nullcontext():
                 program = decompose(program, _decompositions())
@@ -132,8 +156,6 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
     graph = program.graph_module.graph
     _check_ops(graph, check_ops)
     _prepare_functions(graph, where)
-    template = flat.template()
-    assert template is not None, "the traced forward did not run"
     captured = plumbing(program, template)
     captured.guard = guard
     captured.seconds = time.perf_counter() - start
@@ -239,7 +261,8 @@ def _failing_decomposition(program: torch.export.ExportedProgram) -> tuple[str, 
 
 
 def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:
-    """Rewrites `detach` and `torch.no_grad()` regions to tpudist::stop_gradient (see _custom_ops)."""
+    """Rewrites `detach` and `torch.no_grad()` regions to tpudist::stop_gradient (see _custom_ops),
+    in the graph only: `_decomposed` recompiles the module's code."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.target is torch.ops.aten.detach.default:
@@ -250,11 +273,11 @@ def _keep_stop_gradients(gm: torch.fx.GraphModule) -> None:
                     stopped = graph.call_function(STOP_GRADIENT, (user,))
                 stopped.meta = dict(user.meta)
                 user.replace_all_uses_with(stopped, delete_user_cb=lambda n: n is not stopped)
-    gm.recompile()
 
 
 def _keep_attention(gm: torch.fx.GraphModule) -> None:
-    """Rewrites `scaled_dot_product_attention` to tpudist::attention, which decomposition keeps."""
+    """Rewrites `scaled_dot_product_attention` to tpudist::attention, which decomposition keeps (in
+    the graph only, as `_keep_stop_gradients`)."""
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             schema = node.target._schema.arguments
@@ -274,7 +297,6 @@ def _keep_attention(gm: torch.fx.GraphModule) -> None:
             node.kwargs = {}
             for dropped in repeated:
                 erase_unused(gm.graph, dropped)
-    gm.recompile()
 
 
 # static-shape rewrites for ops whose output shape depends on values

@@ -74,8 +74,39 @@ class Captured:
     # per floating user output (in output order): the tensor inputs (positions among the graph's
     # non-literal inputs) its gradient reaches
     reaches: list[frozenset[int]] = field(default_factory=list)
+    # per graph output: (shape, dtype) of a tensor, else None
+    output_values: list[tuple[tuple[int, ...], torch.dtype] | None] = field(default_factory=list)
     # the data-dependent values this capture specialised on (an `_observed.Guard`), checked per call
     guard: Any = None
+    key: str | None = None     # its step cache key (`_capture_cache`), where cached
+    pending: Callable[[], "Captured"] | None = None  # a cache hit's decomposition, not yet run
+
+    # what the decomposed graph tells, kept in a step cache entry
+    TOLD = ("inputs", "outputs", "has_random", "collective", "op_counts", "reaches", "output_values")
+
+    def complete(self) -> "Captured":
+        """A cache hit's graph decomposed (as a miss has it), checked against the entry; a no-op
+        when nothing is pending. Lowering calls it first."""
+        if self.pending is not None:
+            done = self.pending()
+            for name in self.TOLD:
+                if getattr(self, name) != getattr(done, name):
+                    raise RuntimeError(
+                        f"tpudist: the step cache entry {self.key}.capture (in TPUDIST_CACHE_DIR/tpudist-steps) says "
+                        f"{name}={getattr(self, name)!r} but this graph's decomposition gives {getattr(done, name)!r}; "
+                        "delete that file (or set TPUDIST_STEP_CACHE=0) and report it as a tpudist bug")
+            self.graph, self.constants, self.pending = done.graph, done.constants, None
+        return self
+
+    @classmethod
+    def from_entry(cls, entry: dict, exported: torch.export.ExportedProgram, template: Template, key: str,
+                   complete: Callable[[], "Captured"]) -> "Captured":
+        """The capture a step cache entry describes: its slots and flags, the exported
+        (undecomposed) graph, and `complete` to decompose it when something must lower it."""
+        constants = dict(exported.constants)
+        constants.update(entry["constants"])
+        return cls(graph=exported.graph, template=template, constants=constants, key=key, pending=complete,
+                   **{name: entry[name] for name in cls.TOLD})
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -155,9 +186,11 @@ def plumbing(program: torch.export.ExportedProgram, template: Template) -> Captu
         counts[str(n.target)] = counts.get(str(n.target), 0) + 1
     has_random = any(is_random(n) for n in ops if n.target is not operator.getitem)
     collective = any(n.target in COLLECTIVE_OPS for n in ops)
+    values = [value.meta.get("val") if isinstance(value, torch.fx.Node) else None for value in output_node.args[0]]
     return Captured(graph=program.graph, inputs=inputs, outputs=outputs, template=template,
                     constants=dict(program.constants), has_random=has_random, collective=collective,
-                    op_counts=counts, reaches=reaches)
+                    op_counts=counts, reaches=reaches,
+                    output_values=[(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in values])
 
 
 def _user_float_outputs(program: torch.export.ExportedProgram, signature: Any) -> list[torch.fx.Node | None]:

@@ -43,7 +43,7 @@ def lower(captured: Captured, scan: bool = True,
     come with a leading dim of M micro-batches, a pipelined layer's parameter as a `_pipeline.Rows`
     (its row of the stack), the longest run of layers runs over the stages (`_pipeline`) and every
     output comes back per micro-batch."""
-    nodes = list(captured.graph.nodes)
+    nodes = list(captured.complete().graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     literals = {node: slot.value for node, slot in zip(placeholders, captured.inputs) if slot.kind == "literal"}
     tensor_placeholders = [n for n in placeholders if n not in literals]

@@ -13,6 +13,7 @@ together. `plan(...)` sorts the captured graph's tensor inputs into
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -146,13 +147,10 @@ def plan(captured: Captured, objective: Objective, layout: Layout) -> Plan:
     """Classifies `captured`'s inputs (see the module docstring); ValueError / TypeError naming
     the parameter and the fix where the step cannot train the graph."""
     losses = [i for i, o in enumerate(captured.outputs) if o.kind == Slot.USER]
-    output = next(n for n in captured.graph.nodes if n.op == "output").args[0]
-    loss_node = output[losses[0]] if len(losses) == 1 else None
-    loss_val = loss_node.meta.get("val") if isinstance(loss_node, torch.fx.Node) else None
-    if len(losses) != 1 or not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1 \
-            or not loss_val.dtype.is_floating_point:
+    loss_val = captured.output_values[losses[0]] if len(losses) == 1 else None
+    if len(losses) != 1 or loss_val is None or math.prod(loss_val[0]) != 1 or not loss_val[1].is_floating_point:
         raise ValueError(f"loss_fn must return one floating scalar (e.g. a mean-reduced loss); it returned "
-                         f"{getattr(loss_val, 'shape', loss_val)!r}")
+                         f"{None if loss_val is None else torch.Size(loss_val[0])!r}")
     if any(o.kind == Slot.INPUT for o in captured.outputs):
         raise ValueError("the model writes into its inputs in place; the fused step cannot return that")
     written = {o.target: i for i, o in enumerate(captured.outputs) if o.kind == Slot.BUFFER}

@@ -27,6 +27,7 @@ from tpudist.compile._torch.train._body import StepOutputs, make_body, make_glob
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
 from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
 from tpudist.compile._torch.train._stages import Stacking, stage_groups
+from tpudist.compile._torch.train._stored import StoredStep, stand_in
 from tpudist.compile._torch.train._state import Mirror
 
 RUN_AHEAD = 8  # staged batches in flight: how many steps the host may run ahead of the device (see Staging)
@@ -44,14 +45,16 @@ class Signature:
         from tpudist.compile._jax_step import compile_jax
         # an "expert" mesh axis: transformers' experts modules as one op, their experts split over it
         experts = placement.spmd and EXPERT_AXIS in placement.mesh.axis_names
+        # the step cache (lowering._capture_cache): the one-process and data-parallel steps
         captured = capture(objective, (example,), {}, where=" (or train with tpudist.eager_step)",
-                           torch_autograd=False, experts=experts)
+                           torch_autograd=False, experts=experts, cache=not placement.spmd)
         self.capture_seconds = captured.seconds
         self.guard = captured.guard  # data-dependent values it specialised on (see lowering._observed)
         self.mirror, self.placement, self._on_compile = mirror, placement, on_compile
         self.plan = plan(captured, objective, layout)
         self.random = captured.has_random
         devices = placement.mesh.devices.size
+        stored: StoredStep | None = None
         if placement.spmd:  # sharded: one global-view program, laid out by the parameters' specs
             if self.guard is not None:
                 raise NotImplementedError(
@@ -74,11 +77,17 @@ class Signature:
             loss_spec, per_device = P(), False
         else:
             collective = _averages(devices, layout)
-            body = make_body(self.plan, layout, lower(captured), devices=devices, accumulate=accumulate,
-                             random=self.random, max_norm=max_grad_norm, collective=collective,
-                             together_bytes=POOL_MAX_BYTES if mirror.pool.pooled else 0)
+
+            def build(run: Callable[..., Any]) -> Callable[..., StepOutputs]:
+                made = make_body(self.plan, layout, run, devices=devices, accumulate=accumulate,
+                                 random=self.random, max_norm=max_grad_norm, collective=collective,
+                                 together_bytes=POOL_MAX_BYTES if mirror.pool.pooled else 0)
+                return _pooled(made, mirror.pool) if mirror.pool.pooled else made
+
+            body = build(_lowered(captured))
+            if captured.key is not None:
+                stored = StoredStep(captured.key, build(stand_in(captured)))
             if mirror.pool.pooled:  # one device: the parameters and optimizer state as a pool
-                body = _pooled(body, mirror.pool)
                 param_specs = P()
             else:
                 param_specs = [P(AXIS) if e.sharded else P() for e in layout.entries]
@@ -92,6 +101,9 @@ class Signature:
         out_specs = StepOutputs(param_specs, P(), state_specs, P(), loss_spec, P(), P())
         self.step = compile_jax(body, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
                                 per_device=per_device, donate_argnums=(0, 2, 3, 4), name=f"train step ({name})")
+        self.stored = stored
+        if stored is not None:
+            self.step.store_lowered(stored)
         self._serialize = self.step._serialize
         self._span_name = f"tpudist.torch_step[{name}]"
         self._executable: jax.stages.Compiled | None = None
@@ -155,6 +167,18 @@ class Signature:
             # them, rather than by XLA's thread as the step ends (it would wait for this thread's GIL)
             self._batches = (batch, self._batches[0])
         return out
+
+
+def _lowered(captured: Any) -> Callable[..., Any]:
+    """`lower(captured)`, lowered when first called: a step cache hit never traces the graph."""
+    run: list[Callable[..., Any]] = []
+
+    def lowered(tensors: Any, key: Any) -> Any:
+        if not run:
+            run.append(lower(captured))
+        return run[0](tensors, key)
+
+    return lowered
 
 
 def _staging(placement: Placement, example: Any, batch_leaves: list[int], rows: int,
