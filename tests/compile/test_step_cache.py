@@ -185,25 +185,30 @@ def test_an_entry_that_disagrees_with_the_graph_it_names_is_an_error_naming_it(c
 
 
 def _data_parallel_rank():
+    """Two steps of one model in each process: the first compiles it (or loads what the other process
+    stored), the second must load it; both train alike."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    step = tpudist.compile_train_step(model, torch.nn.functional.mse_loss,
-                                      torch.optim.SGD(model.parameters(), lr=0.1))
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     rows = torch.Generator().manual_seed(tpudist.process_index())  # each process its own rows
     x, y = torch.randn(4, 8, generator=rows), torch.randn(4, 1, generator=rows)
-    losses = [float(step((x, y))) for _ in range(2)]
-    step.sync()
-    return losses, next(iter(step._programs.values())).stored.hit, [p.detach().numpy().copy() for p in model.parameters()]
+    runs = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        step = tpudist.compile_train_step(model, torch.nn.functional.mse_loss,
+                                          torch.optim.SGD(model.parameters(), lr=0.1))
+        losses = [float(step((x, y))) for _ in range(2)]
+        step.sync()
+        runs.append((losses, next(iter(step._programs.values())).stored.hit,
+                     [p.detach().numpy().copy() for p in model.parameters()]))
+    return runs
 
 
-def test_the_processes_of_a_data_parallel_job_load_the_step_their_first_run_stored(tmp_path):
+def test_the_processes_of_a_data_parallel_job_load_the_stored_step(tmp_path):
     from tpudist.testing import run_on_mesh
-    env = {"TPUDIST_CACHE_DIR": str(tmp_path)}
-    first = run_on_mesh(_data_parallel_rank, nprocs=2, env=env, timeout=300)
-    again = run_on_mesh(_data_parallel_rank, nprocs=2, env=env, timeout=300)
-    # the first run: whichever process stores the step first, the other may already load it
-    assert not all(hit for _, hit, _ in first) and all(hit for _, hit, _ in again)
-    for (losses, _, params), (losses_again, _, params_again) in zip(first, again):
+    ranks = run_on_mesh(_data_parallel_rank, nprocs=2, env={"TPUDIST_CACHE_DIR": str(tmp_path)}, timeout=300)
+    # the first steps: whichever process stores the step first, the other may already load it
+    assert not all(first[1] for first, _ in ranks) and all(second[1] for _, second in ranks)
+    for (losses, _, params), (losses_again, _, params_again) in ranks:
         assert losses_again == losses  # the averaged gradients: the same collective program
         for p, q in zip(params, params_again):
             assert (p == q).all()

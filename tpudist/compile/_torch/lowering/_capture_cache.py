@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,7 @@ def directory() -> Path | None:
 def code_fingerprint() -> str:
     """The versions and tpudist's own source: any change to either misses every entry."""
     import jax
-    import jaxlib
-    digest = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{jax.__version__}|{jaxlib.__version__}".encode())
+    digest = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{jax.__version__}|{metadata.version('jaxlib')}".encode())
     root = Path(__file__).resolve().parents[3]  # the tpudist package
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode())
