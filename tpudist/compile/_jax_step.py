@@ -212,8 +212,9 @@ class CompiledStep:
         with _stats_lock:
             hits_before = _persistent_hits
         start = time.perf_counter()
-        if self._stored is not None:
-            executable, flops = self._stored.compile(self, jitted, donate, dynamic, statics, nargs)
+        stored = None if self._stored is None else self._stored.compile(self, jitted, donate, dynamic, statics, nargs)
+        if stored is not None:
+            executable, flops = stored
         else:
             traced = jitted.trace(*dynamic)
             flops = model_flops(traced.jaxpr, self.mesh.devices.size)

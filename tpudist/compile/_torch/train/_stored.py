@@ -29,14 +29,7 @@ log = logging.getLogger("tpudist.compile")
 # the JAX settings a trace reads (dtypes, precision, random bits): part of every step key
 _JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
                  "jax_threefry_partitionable", "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion")
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        jax.export.register_namedtuple_serialization(StepOutputs, serialized_name="tpudist.StepOutputs")
-        _registered = True
+jax.export.register_namedtuple_serialization(StepOutputs, serialized_name="tpudist.StepOutputs")
 
 
 def stand_in(captured: Any) -> Callable[..., tuple]:
@@ -64,15 +57,15 @@ class StoredStep:
         self.hit = False
 
     def compile(self, step: Any, jitted: Any, donate: tuple[int, ...], dynamic: list[Any], statics: tuple,
-                nargs: int) -> tuple[Any, float | None]:
-        """(executable, flops) for `jitted` (the step's jit of its body) on `dynamic`."""
-        _register()
+                nargs: int) -> tuple[Any, float | None] | None:
+        """(executable, flops) for `jitted` (the step's jit of its body) on `dynamic`; None where the
+        step is to be compiled as always (no key, or a program jax.export refuses)."""
+        self.hit = False
         try:
             key = self._key(step, donate, dynamic, statics, nargs)
         except Exception as exc:  # noqa: BLE001 - a step the stand-in cannot trace is compiled as always
             log.debug("tpudist: step cache: no key for %s: %s: %s", step.name, type(exc).__name__, exc)
-            traced = jitted.trace(*dynamic)
-            return traced.lower().compile(), model_flops(traced.jaxpr, step.mesh.devices.size)
+            return None
         entry = _capture_cache.load("step", key)
         if entry is not None:
             try:
@@ -82,15 +75,13 @@ class StoredStep:
             else:
                 self.hit = True
                 return jax.jit(exported.call, donate_argnums=donate).lower(*dynamic).compile(), entry["flops"]
-        self.hit = False
-        traced = jitted.trace(*dynamic)
-        flops = model_flops(traced.jaxpr, step.mesh.devices.size)
         try:
             exported = jax.export.export(jitted)(*dynamic)
             blob = bytes(exported.serialize())
         except Exception as exc:  # noqa: BLE001 - jax.export's refusals: compiled as always, not stored
             log.debug("tpudist: step cache: %s is not stored: %s: %s", step.name, type(exc).__name__, exc)
-            return traced.lower().compile(), flops
+            return None
+        flops = model_flops(jitted.trace(*dynamic).jaxpr, step.mesh.devices.size)  # (the trace export made)
         _capture_cache.store("step", key, {"exported": blob, "flops": flops})
         return jax.jit(exported.call, donate_argnums=donate).lower(*dynamic).compile(), flops
 
