@@ -142,6 +142,24 @@ def test_index_put_masks_duplicates_and_writes():
     check_compiled(fn, x, values, v)
 
 
+def test_rows_written_behind_dims_of_size_one():
+    # a KV cache's write (index_copy_ along the sequence of a batch-1 cache), which the lowering
+    # writes with the size-1 dims dropped: values and gradients as eager's, duplicates, a negative
+    # index, broadcast values and size-1 dims between whole ones
+    cache = torch.randn(1, 3, 6, 4, generator=torch.Generator().manual_seed(0))
+    mixed = torch.randn(2, 1, 3, 6, 4, generator=torch.Generator().manual_seed(1))
+    rows = torch.randn(1, 3, 2, 4, generator=torch.Generator().manual_seed(2))
+
+    def fn(cache, mixed, rows):
+        a = cache.clone(); a.index_copy_(2, torch.tensor([4, 1]), rows)
+        b = torch.ops.aten.index_put(cache, [None, None, torch.tensor([5, 5])], rows)  # the last write lands
+        c = torch.ops.aten.index_put(cache, [None, None, torch.tensor([-1])], rows[:, :, :1, :1])  # broadcast
+        d = torch.ops.aten.index_put(mixed, [None, None, None, torch.tensor([0, 3])], rows[None] * 2)
+        e = torch.ops.aten.index_put(cache, [None, None, torch.tensor([2, 2])], rows, accumulate=True)
+        return a * cache, b, c, d.sum(1), e
+    check_compiled(fn, cache, mixed, rows)
+
+
 def test_segment_reduce_lengths_offsets_initial_and_ties():
     data = torch.tensor([[1., 3., 3., 0., 2., -1., 0., 0., 4., NAN],
                          [2., 2., 5., 1., 0., 3., 3., 3., 1., 2.]]).t().contiguous()  # (10, 2)

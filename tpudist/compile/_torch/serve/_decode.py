@@ -27,7 +27,6 @@ token by token from Python instead: slower, never different.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch._convert import jax_dtype, to_jax, where
-from tpudist.compile._torch.lowering._parallel import MeshLayout, laid_out
 from tpudist.compile._torch.module._dynamo import backend
 from tpudist.compile._torch.module._guards import frame_guard
 from tpudist.compile._torch.module._laid_out import whole
@@ -268,7 +266,7 @@ def _build(program: Any, leaves: tuple, known: dict[str, torch.Tensor]) -> _Loop
     if program is None or program.captured.has_random:
         return None
     tensors = slot_tensors(program, list(leaves))
-    infer, written, layout = loop_graph(program)  # written: output -> input position
+    infer, written, _ = loop_graph(program)  # written: output -> input position
     carried = sorted(written.items())
     writes = set(written.values())
     by_id = {id(t): role for role, t in known.items()}
@@ -309,28 +307,26 @@ def _build(program: Any, leaves: tuple, known: dict[str, torch.Tensor]) -> _Loop
                 full[roles["cache_position"]] = jnp.reshape(here, (1,)).astype(fixed_dtypes["cache_position"])
             for (_, position_in), value, shape in zip(carried, cache, shapes):
                 full[position_in] = value.reshape(shape)
-            with contextlib.nullcontext() if layout is None else laid_out(MeshLayout(layout.mesh, ())):
-                outs = infer(full, None)  # (laid out: traced as the layout's own program is)
+            outs = infer(full, None)
             token = jnp.where(done, pad, jnp.argmax(outs[logits], -1).astype(token.dtype))
             done = done | jnp.isin(token, eos)
-            return i + 1, token, mask, [flat(outs[o]) for o, _ in carried], done, out.at[:, i].set(token)
+            return i + 1, token, mask, [_squeezed(outs[o]) for o, _ in carried], done, out.at[:, i].set(token)
 
         shapes = [value.shape for value in cache]
-        start = (jnp.int32(0), token, mask, [flat(value) for value in cache], done, out)
+        start = (jnp.int32(0), token, mask, [_squeezed(value) for value in cache], done, out)
         end = jax.lax.while_loop(running, step, start)
-        return end[5], [value.reshape(shape) for value, shape in zip(end[3], shapes)]
+        return end[5], [value.reshape(shape) for value, shape in zip(end[3], shapes)]  # donated: the new cache
 
     fixed_dtypes = {role: jax_dtype(tensors[i].dtype) for role, i in roles.items()}  # (int64 -> int32)
-    flat = _flat if layout is None else (lambda value: value)
     return _Loop(jax.jit(loop, static_argnums=9, donate_argnums=1), roles, carried, logits)
 
 
-def _flat(value: jax.Array) -> jax.Array:
-    """A cache array as the loop carries it on one device: its leading dims as one, as XLA's dots
-    see them (with ops/index.py's write in that shape, XLA:CPU updates the cache in place instead
-    of writing each array twice and copying it four times a step). Laid out, as it is: a merged dim
-    split along its minor part has no layout of its own."""
-    return value.reshape(-1, *value.shape[-2:]) if value.ndim > 3 else value
+def _squeezed(value: jax.Array) -> jax.Array:
+    """A cache array as the loop carries it: without its leading dims of size 1 (a batch of one),
+    the shape in which ops/index.py writes its row and XLA's dots read it (a carry of another
+    shape makes XLA:CPU write the row twice a step and copy the array around it)."""
+    lead = [n for n in value.shape[:-2] if n != 1]
+    return value.reshape(*lead, *value.shape[-2:]) if len(lead) < value.ndim - 2 else value
 
 
 def _run_loop(loop: _Loop, program: Any, leaves: tuple | list, token: torch.Tensor, mask: torch.Tensor,

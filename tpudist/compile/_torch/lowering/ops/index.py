@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tpudist.compile._torch.lowering._parallel import current
 from tpudist.compile._torch.lowering._table import UnsupportedOpError, register
 from tpudist.compile._torch.lowering.ops._util import custom_vjp, dim as norm_dim, unsupported_arg
 from tpudist.compile._torch.lowering._table import aten  # an op this torch lacks is a MissingOp, skipped
@@ -57,17 +56,22 @@ def _set_at(x, indices, values):
         return x.at[_index_tuple(indices)].set(values)
     present = tuple(i is not None for i in indices)
     arrays = [i for i in indices if i is not None]
-    if present.count(True) == 1 and present.index(True) >= 2 and current() is None:
-        # a write along one dim with every dim before it whole (a KV cache's row): the same write
-        # on the array with those dims as one, so that XLA's dots, which see them as one batch
-        # dim, read the written array itself (else XLA:CPU's fusion writes it twice per step).
-        # Not on a mesh: a merged dim split along its minor part has no layout of its own.
-        p, index = present.index(True), arrays[0]
-        shape = x.shape[:p] + index.shape + x.shape[p + 1:]
-        collapsed = _set_at_vjp((False, True), x.reshape(-1, *x.shape[p:]), [index],
-                                jnp.broadcast_to(values, shape).reshape(-1, *shape[p:]))
-        return collapsed.reshape(x.shape)
+    if present.count(True) == 1 and 1 in x.shape[:present.index(True)]:
+        return _set_row(x, present.index(True), arrays[0], values)
     return _set_at_vjp(present, x, arrays, values)
+
+
+def _set_row(x, p, index, values):
+    """x[:, ..., index] = values along dim p, with x's dims of size 1 before p dropped for the
+    write: XLA drops them from the dots that read the result (attention reading a batch-1 KV
+    cache), and a write in that shape is one XLA:CPU updates in place and fuses once (through a
+    reshape, its fusion duplicates the write and copy insertion adds copies of the array)."""
+    kept = [d for d in range(p) if x.shape[d] != 1]
+    shape = x.shape[:p] + index.shape + x.shape[p + 1:]
+    values = jnp.broadcast_to(values, shape).reshape(*(shape[d] for d in kept), *shape[p:])
+    written = _set_at_vjp((False,) * len(kept) + (True,), x.reshape(*(x.shape[d] for d in kept), *x.shape[p:]),
+                          [index], values)
+    return written.reshape(x.shape)
 
 
 def _where(present, arrays):
