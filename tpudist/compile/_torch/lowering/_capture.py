@@ -68,6 +68,19 @@ def _autocast(state: tuple) -> Any:
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = "",
             torch_autograd: bool = True, check_ops: bool = True, experts: bool = False,
             cache: bool = False) -> Captured:
+    """Exports `module(*args, **kwargs)` and decomposes it to core ATen (`_capture` says how).
+    torch.export runs without recording each node's Python stack, about a sixth of its time; a
+    capture that fails runs again with them, so that its error names the user's line."""
+    options = dict(where=where, torch_autograd=torch_autograd, check_ops=check_ops, experts=experts, cache=cache)
+    try:
+        return _capture(module, args, kwargs, traces=False, **options)
+    except (CaptureError, UnsupportedOpError):
+        pass
+    return _capture(module, args, kwargs, traces=True, **options)
+
+
+def _capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str, torch_autograd: bool,
+             check_ops: bool, experts: bool, cache: bool, traces: bool) -> Captured:
     """Exports `module(*args, **kwargs)` and decomposes it to core ATen.
 
     `torch_autograd=False` (the fused step) means torch's autograd engine never runs for this
@@ -102,7 +115,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str = 
             with torch.fx.traceback.preserve_node_meta(), CtcAsOneOp(), \
                     experts_as_one_op(module) if experts else contextlib.nullcontext():
                 before = _host_random_state()
-                program, guard = _export(flat, args, kwargs)
+                program, guard = _export(flat, args, kwargs, traces)
                 if _host_random_state() != before:
                     raise CaptureError(
                         f"torch -> XLA: {type(module).__name__}.forward draws random numbers with Python's `random` "
@@ -169,13 +182,15 @@ def _host_random_state() -> tuple:
     return random.getstate(), keys.tobytes(), pos, has_gauss, cached
 
 
-def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram, Any]:
-    """torch.export; where it stops at a value computed from the inputs, again with the real values
-    deciding (specialised and guarded, see _observed)."""
+def _export(flat: torch.nn.Module, args: tuple, kwargs: dict,
+            traces: bool) -> tuple[torch.export.ExportedProgram, Any]:
+    """torch.export (`traces`: recording each node's stack); where it stops at a value computed from
+    the inputs, again with the real values deciding (specialised and guarded, see _observed)."""
     printed = io.StringIO()  # torch prints the partial graph of a failed export; not when recovered here
     program = None
     try:
-        with contextlib.redirect_stderr(printed), _observed.quiet():
+        with contextlib.redirect_stderr(printed), _observed.quiet(), \
+                contextlib.nullcontext() if traces else _without_stack_traces():
             program = torch.export.export(flat, args, kwargs, strict=False)
     except Exception as exc:
         if not _observed.is_data_dependent(exc):
@@ -194,6 +209,17 @@ def _export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.exp
         raise
     except Exception:  # noqa: BLE001 - torch could not trace it so: _check_ops names the op and the rewrite
         return program, None
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Any:
+    config = torch.fx.config
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def _check_layouts(module: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> None:
