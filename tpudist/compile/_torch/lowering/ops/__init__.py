@@ -6,6 +6,7 @@ from tpudist.compile._torch.lowering.ops import (  # noqa: F401  (imported for t
     conv_pool,
     creation,
     ctc,
+    embedding,
     experts,
     fft,
     floating,
