@@ -8,6 +8,8 @@ become `lax.stop_gradient`. Capture rewrites them to this custom op, which decom
 
 from __future__ import annotations
 
+import ast
+
 import torch
 
 
@@ -96,3 +98,35 @@ def _experts_fake(hidden, top_k_index, top_k_weights, gate_up, down, act):
 
 
 EXPERTS = torch.ops.tpudist.experts.default
+
+
+@torch.library.custom_op("tpudist::layer", mutates_args=())
+def layer(run: str, index: int, spec: str, reads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Layer `index` of a run of identical layers, standing in for its nodes while the graph is
+    decomposed (`lowering/_collapse.py`): `reads` are its outside reads, the outputs the values read
+    after it, described by `spec`. Never run: expanded into a copy of the run's first layer."""
+    raise RuntimeError("tpudist::layer is expanded before anything runs the graph")
+
+
+@layer.register_fake
+def _layer_fake(run, index, spec, reads):
+    return [torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device)
+            for shape, stride, dtype, device in ast.literal_eval(spec)]
+
+
+LAYER = torch.ops.tpudist.layer.default
+
+
+@torch.library.custom_op("tpudist::layer_mark", mutates_args=())
+def layer_mark(x: torch.Tensor, run: str, role: str, slot: int) -> torch.Tensor:
+    """Marks a read ("in") or an output ("out") of a run's first layer while the graph is
+    decomposed (`lowering/_collapse.py`); dropped after it."""
+    return x.clone()
+
+
+@layer_mark.register_fake
+def _layer_mark_fake(x, run, role, slot):
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+
+LAYER_MARK = torch.ops.tpudist.layer_mark.default

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch.lowering._shape_checks import check_shapes
-from tpudist.compile._torch.lowering import _capture_cache, _custom_grad, _custom_vjp, _observed
+from tpudist.compile._torch.lowering import _capture_cache, _collapse, _custom_grad, _custom_vjp, _observed
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
@@ -154,6 +154,7 @@ def _capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str, 
 def _decomposed(program: torch.export.ExportedProgram, template: Any, guard: Any, where: str, check_ops: bool,
                 start: float) -> Captured:
     """The rest of a capture after torch.export: the decomposition to core ATen and its checks."""
+    runs = _collapse.collapse(program.graph_module) if guard is None else []  # identical layers: decomposed once
     program.graph_module.recompile()  # the rewrites above changed its graph (a step cache hit never needs it)
     with torch.enable_grad(), warnings.catch_warnings(), _custom_grad.intercepted():
         try:
@@ -165,6 +166,7 @@ def _decomposed(program: torch.export.ExportedProgram, template: Any, guard: Any
                 f"torch -> XLA: torch's decomposition of {op} (in {path}) to core ATen failed: "
                 f"{type(exc).__name__}: {_first_line(exc)}. Write that part with other torch ops, or keep it "
                 f"outside the compiled module{where}.") from exc
+    _collapse.expand(program.graph_module, runs)
     program = _without_effect_tokens(program)
     graph = program.graph_module.graph
     _check_ops(graph, check_ops)
