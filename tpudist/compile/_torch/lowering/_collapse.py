@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tpudist.compile._torch._custom_ops import LAYER, LAYER_MARK
-from tpudist.compile._torch.lowering._layers import PATHS, Scan, find_scans, min_layers
+from tpudist.compile._torch.lowering._layers import PATHS, Scan, find_scans, min_layers, module_paths
 
 _MIN_LAYERS = 3  # with two, the one collapsed layer saves less than the marks cost
 
@@ -86,17 +85,19 @@ def expand(gm: torch.fx.GraphModule, runs: list[Run]) -> None:
 
 def _collapse_run(graph: torch.fx.Graph, scan: Scan, run: Run) -> bool:
     first = scan.body
-    if _writes_outside(first):
+    if _writes_into(first, set(_reads(first)), opaque=True):
         return False  # (e.g. BatchNorm's running statistics written in place: a mark would take the write)
     reads = _reads(first)
-    outs = sorted({k for layer in scan.layers for k, node in enumerate(layer)
-                   for user in node.users if user not in set(layer)})
+    outs = sorted({k for layer in scan.layers for members in [set(layer)] for k, node in enumerate(layer)
+                   for user in node.users if user not in members})
     if not all(_is_tensor(v) for v in reads) or not all(_is_tensor(first[k]) for k in outs):
         return False
     for layer in scan.layers[1:]:
         if len(_reads(layer)) != len(reads):
             return False
-    if _written_later(graph, scan, outs):
+    members = scan.members()
+    later = [n for n in graph.nodes if n.op == "call_function" and n not in members]
+    if _writes_into(later, {layer[k] for layer in scan.layers for k in outs}, opaque=False):
         return False  # (one node standing for a layer would not carry the write back to what it aliases)
     inside = set(first)
     with graph.inserting_before(first[0]):
@@ -132,63 +133,30 @@ def _reads(layer: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return list(dict.fromkeys(v for node in layer for v in node.all_input_nodes if v not in inside))
 
 
-def _writes_outside(layer: list[torch.fx.Node]) -> bool:
-    """Whether a node of `layer` writes in place to a value read from outside it (or to a view of
-    one), or is an op whose schema does not say (a higher-order op)."""
-    inside = set(layer)
-    aliases: set[torch.fx.Node] = set()  # the layer's nodes that may be views of outside values
-    for node in layer:
+def _writes_into(nodes: list[torch.fx.Node], values: set[torch.fx.Node], opaque: bool) -> bool:
+    """Whether one of `nodes` (in graph order) writes in place to one of `values` or to a view of
+    one. An op whose schema does not say (a higher-order op) counts as a write: to what it reads, or
+    with `opaque` to anything."""
+    aliases = set(values)  # `values` and the nodes that may be views of them
+    for node in nodes:
         if node.target is operator.getitem:
             if node.args[0] in aliases:
                 aliases.add(node)
             continue
         schema = getattr(node.target, "_schema", None)
         if schema is None:
-            return True
-        for argument, values in _arguments(node, schema):
-            outside = any(v not in inside or v in aliases for v in values)
-            if outside and argument.alias_info is not None:
+            if opaque or any(v in aliases for v in node.all_input_nodes):
+                return True
+            continue
+        given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+        for argument in schema.arguments:
+            read = given.get(argument.name)
+            read = read if isinstance(read, (list, tuple)) else [read]
+            if argument.alias_info is not None and any(v in aliases for v in read if isinstance(v, torch.fx.Node)):
                 if argument.alias_info.is_write:
                     return True
                 aliases.add(node)
     return False
-
-
-def _written_later(graph: torch.fx.Graph, scan: Scan, outs: list[int]) -> bool:
-    """Whether a node outside the run writes in place to a value a layer gives (or a view of one)."""
-    members = scan.members()
-    aliases = {layer[k] for layer in scan.layers for k in outs}
-    for node in graph.nodes:
-        if node.op != "call_function" or node in members:
-            continue
-        if node.target is operator.getitem:
-            if node.args[0] in aliases:
-                aliases.add(node)
-            continue
-        schema = getattr(node.target, "_schema", None)
-        for argument, values in _arguments(node, schema):
-            if any(v in aliases for v in values):
-                if schema is None:
-                    return True  # (a higher-order op: what its subgraph writes is not looked into)
-                if argument.alias_info is None:
-                    continue
-                if argument.alias_info.is_write:
-                    return True
-                aliases.add(node)
-    return False
-
-
-def _arguments(node: torch.fx.Node, schema: Any) -> list[tuple[Any, list[torch.fx.Node]]]:
-    """(schema argument, the nodes it is given) for each of `node`'s arguments."""
-    if schema is None:
-        return [(None, [v for v in node.all_input_nodes])]
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
-    out = []
-    for argument in schema.arguments:
-        values = given.get(argument.name)
-        values = values if isinstance(values, (list, tuple)) else [values]
-        out.append((argument, [v for v in values if isinstance(v, torch.fx.Node)]))
-    return out
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
@@ -200,19 +168,12 @@ def _describe(value: torch.Tensor) -> tuple:
 
 
 def _index(node: torch.fx.Node, container: str) -> int | None:
-    for path in _paths(node):
+    for path in module_paths(node):
         if path.startswith(container + "."):
             head = path[len(container) + 1:].split(".", 1)[0]
             if head.isdigit():
                 return int(head)
     return None
-
-
-def _paths(node: torch.fx.Node) -> list[str]:
-    custom = (node.meta.get("custom") or {}).get(PATHS)
-    if custom:
-        return list(custom)
-    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if isinstance(path, str)]
 
 
 # -- expand -------------------------------------------------------------------------------------------
@@ -234,7 +195,7 @@ def _first_layer(graph: torch.fx.Graph, run: Run) -> tuple[list[torch.fx.Node], 
                 stack.append(user)
     prefix = run.name
     labelled = {n for n in graph.nodes if n.op == "call_function" and n.target is not LAYER_MARK
-                and any(p == prefix or p.startswith(prefix + ".") for p in _paths(n))}
+                and any(p == prefix or p.startswith(prefix + ".") for p in module_paths(n))}
     if not derived <= labelled:
         raise AssertionError(f"tpudist: the decomposition of {prefix} computes from its inputs outside its module "
                              "path (a bug in tpudist; TPUDIST_SCAN_LAYERS=0 turns layer runs off)")
