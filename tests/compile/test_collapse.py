@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 
 from tpudist.compile._torch.lowering import _collapse
 from tpudist.compile._torch.lowering._capture import capture
+from tpudist.compile._torch.lowering._captured import Slot
 from tpudist.compile._torch.lowering._layers import module_paths
 
 from test_layers import Drops, Stack
@@ -22,15 +23,23 @@ _REAL_COLLAPSE = _collapse.collapse
 
 
 def _graph(captured) -> list[tuple]:
-    """The graph as comparable rows: op, target, value shape/dtype, innermost module path, inputs by position."""
-    position = {node: i for i, node in enumerate(captured.graph.nodes)}
-    rows = [repr(captured.inputs), repr(captured.outputs)]  # which outputs write which buffers
+    """The graph as comparable rows: op, target, value shape/dtype, innermost module path, inputs by
+    position. A constant is read by value: a layer traced once reads its first layer's constants,
+    which equal its own (the call that made them is compared argument for argument)."""
+    placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
+    constants = {node: ("constant", repr(captured.constants[slot.name].tolist()))
+                 for node, slot in zip(placeholders, captured.inputs) if slot.kind is Slot.CONSTANT}
+    position = {node: i for i, node in enumerate(n for n in captured.graph.nodes if n not in constants)}
+    rows = [repr([slot for slot in captured.inputs if slot.kind is not Slot.CONSTANT]),
+            repr(captured.outputs)]  # which outputs write which buffers
     for node in captured.graph.nodes:
+        if node in constants:
+            continue
         val = node.meta.get("val")
         value = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
         paths = module_paths(node)
         rows.append((node.op, str(node.target), value, paths[-1] if paths else None,
-                     tuple(position[n] for n in node.all_input_nodes)))
+                     tuple(constants.get(n) or position[n] for n in node.all_input_nodes)))
     return rows
 
 
@@ -45,8 +54,9 @@ def _both(monkeypatch, model: torch.nn.Module, *args) -> tuple[list, list, list]
         return runs
     monkeypatch.setattr(_collapse, "collapse", spy)
     once = _graph(capture(model, args, {}))
-    monkeypatch.setattr(_collapse, "collapse", lambda gm: [])
-    full = _graph(capture(model, args, {}))
+    with monkeypatch.context() as every_layer:
+        every_layer.setenv("TPUDIST_SCAN_LAYERS", "0")  # every layer traced and decomposed
+        full = _graph(capture(model, args, {}))
     return once, full, collapsed
 
 

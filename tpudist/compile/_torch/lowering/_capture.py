@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tpudist.compile._torch.lowering._shape_checks import check_shapes
-from tpudist.compile._torch.lowering import _capture_cache, _collapse, _custom_grad, _custom_vjp, _observed
+from tpudist.compile._torch.lowering import _capture_cache, _collapse, _custom_grad, _custom_vjp, _observed, _siblings
 from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
@@ -193,7 +193,7 @@ def _export(flat: torch.nn.Module, args: tuple, kwargs: dict,
     try:
         with contextlib.redirect_stderr(printed), _observed.quiet(), \
                 contextlib.nullcontext() if traces else _without_stack_traces():
-            program = torch.export.export(flat, args, kwargs, strict=False)
+            program = _siblings.export(flat, args, kwargs)  # (a run of identical layers traced once)
     except Exception as exc:
         if not _observed.is_data_dependent(exc):
             raise

@@ -49,8 +49,12 @@ def collapse(gm: torch.fx.GraphModule) -> list[Run]:
     if min_layers() == 0:  # TPUDIST_SCAN_LAYERS=0: every layer on its own
         return []
     graph = gm.graph
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    runs = []
+    runs = [Run(container, int(start))  # the runs torch.export traced once (`_siblings`)
+            for container, start in (name.rsplit(".", 1) for name in
+                                     dict.fromkeys(n.args[0] for n in graph.nodes if n.target is LAYER))]
+    stood_in = tuple(run.container + "." for run in runs)
+    nodes = [n for n in graph.nodes if n.op == "call_function"
+             and not any(p.startswith(stood_in) for p in module_paths(n))]
     for scan in find_scans(nodes, _MIN_LAYERS):
         start = _index(scan.body[0], scan.container)
         if scan.remat or start is None:
@@ -85,21 +89,24 @@ def expand(gm: torch.fx.GraphModule, runs: list[Run]) -> None:
 
 def _collapse_run(graph: torch.fx.Graph, scan: Scan, run: Run) -> bool:
     first = scan.body
-    if _writes_into(first, set(_reads(first)), opaque=True):
+    if writes_into(first, set(_reads(first)), opaque=True):
         return False  # (e.g. BatchNorm's running statistics written in place: a mark would take the write)
     reads = _reads(first)
     outs = sorted({k for layer in scan.layers for members in [set(layer)] for k, node in enumerate(layer)
                    for user in node.users if user not in members})
     if not all(_is_tensor(v) for v in reads) or not all(_is_tensor(first[k]) for k in outs):
         return False
+    live = live_nodes(graph)
+    inside = set(first)
+    if not all(any(user in live and user not in inside for user in first[k].users) for k in outs):
+        return False  # (the decomposition would drop the first layer's copy of a value only later layers give)
     for layer in scan.layers[1:]:
         if len(_reads(layer)) != len(reads):
             return False
     members = scan.members()
     later = [n for n in graph.nodes if n.op == "call_function" and n not in members]
-    if _writes_into(later, {layer[k] for layer in scan.layers for k in outs}, opaque=False):
+    if writes_into(later, {layer[k] for layer in scan.layers for k in outs}, opaque=False):
         return False  # (one node standing for a layer would not carry the write back to what it aliases)
-    inside = set(first)
     with graph.inserting_before(first[0]):
         for slot, value in enumerate(reads):
             mark = graph.call_function(LAYER_MARK, (value, run.name, "in", slot))
@@ -133,7 +140,7 @@ def _reads(layer: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return list(dict.fromkeys(v for node in layer for v in node.all_input_nodes if v not in inside))
 
 
-def _writes_into(nodes: list[torch.fx.Node], values: set[torch.fx.Node], opaque: bool) -> bool:
+def writes_into(nodes: list[torch.fx.Node], values: set[torch.fx.Node], opaque: bool) -> bool:
     """Whether one of `nodes` (in graph order) writes in place to one of `values` or to a view of
     one. An op whose schema does not say (a higher-order op) counts as a write: to what it reads, or
     with `opaque` to anything."""
@@ -157,6 +164,18 @@ def _writes_into(nodes: list[torch.fx.Node], values: set[torch.fx.Node], opaque:
                     return True
                 aliases.add(node)
     return False
+
+
+def live_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes the graph's outputs or an effect depend on: those a dead-code pass keeps."""
+    stack = [n for n in graph.nodes if n.op == "output" or (n.op == "call_function" and n.is_impure())]
+    live: set[torch.fx.Node] = set(stack)
+    while stack:
+        for value in stack.pop().all_input_nodes:
+            if value not in live:
+                live.add(value)
+                stack.append(value)
+    return live
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

@@ -302,6 +302,8 @@ class _Door:
     """One hook of `_install_hooks`: `sync` (before torch reads) or `loaded` (after it loads). A
     pickled or deep-copied model carries it inert (the copy is not trained by the step)."""
 
+    noop_while_exporting = True  # (so a layer hooked by it may be traced once: lowering/_siblings.py)
+
     def __init__(self, mirror: Mirror | None, action: str):
         self._ref = weakref.ref(mirror) if mirror is not None else lambda: None
         self._action = action
