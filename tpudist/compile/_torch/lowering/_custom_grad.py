@@ -187,8 +187,20 @@ def _reentrant_checkpoint(function: Callable[..., Any], inputs: list[Any]) -> An
 
 @contextlib.contextmanager
 def _region() -> Iterator[None]:
-    with torch.fx.traceback.annotate({REMAT: next(_region_ids)}):
-        yield
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        with torch.fx.traceback.annotate({REMAT: next(_region_ids)}):
+            yield
+    finally:
+        _inside.depth -= 1
+
+
+def in_checkpoint() -> bool:
+    """Whether the capture is inside a checkpointed region now."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+_inside = threading.local()
 
 
 def _non_reentrant(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[None]:
@@ -251,9 +263,11 @@ def intercepted() -> Iterator[None]:
     with _lock:
         function = torch.autograd.function.Function
         saved = (function.__dict__["apply"], checkpoint_module._checkpoint_without_reentrant_generator,
-                 torch.Tensor.register_hook)
+                 torch.Tensor.register_hook, getattr(checkpoint_module, _IMPL, None))
         function.apply = classmethod(_apply)
         checkpoint_module._checkpoint_without_reentrant_generator = _non_reentrant
+        if saved[3] is not None:  # (torch >= 2.14: what checkpoint() calls)
+            setattr(checkpoint_module, _IMPL, _non_reentrant)
         torch.Tensor.register_hook = _register_hook
         _active.depth = 1
         try:
@@ -263,7 +277,10 @@ def intercepted() -> Iterator[None]:
             function.apply = saved[0]
             checkpoint_module._checkpoint_without_reentrant_generator = saved[1]
             torch.Tensor.register_hook = saved[2]
+            if saved[3] is not None:
+                setattr(checkpoint_module, _IMPL, saved[3])
 
 
 _lock = threading.Lock()
+_IMPL = "_checkpoint_without_reentrant_generator_impl"
 

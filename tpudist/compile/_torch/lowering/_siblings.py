@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_
 
 from tpudist.compile._torch._custom_ops import LAYER, LAYER_MARK
 from tpudist.compile._torch.lowering._collapse import live_nodes, writes_into
-from tpudist.compile._torch.lowering._custom_grad import REMAT
+from tpudist.compile._torch.lowering._custom_grad import REMAT, in_checkpoint
 from tpudist.compile._torch.lowering._layers import min_layers, module_paths
 
 MIN_LAYERS = 3  # (as `_collapse`: with two, the one sibling saves less than the marks cost)
@@ -172,6 +172,8 @@ class _Forward:
         if id(self.module) in self.state.called:
             raise Refused(f"{self.run}: a layer of the run ran twice")
         self.state.called.add(id(self.module))
+        if in_checkpoint():
+            raise Refused(f"{self.run}: a layer of the run runs in a checkpointed region")
         mode = get_proxy_mode()
         if mode is None:
             raise Refused(f"{self.run}: a layer of the run ran outside torch.export's tracer")
@@ -363,6 +365,8 @@ def check(program: torch.export.ExportedProgram) -> None:
     for name in names:
         region = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is not LAYER_MARK
                   and any(p == name or p.startswith(name + ".") for p in module_paths(n))}
+        if any(REMAT in (n.meta.get("custom") or {}) for n in region):  # (torch 2.15 marks it after the trace)
+            raise Refused(f"{name}: the first layer lies in a checkpointed region")
         stack = [n for n in gm.graph.nodes if n.target is LAYER_MARK and n.args[1] == name and n.args[2] == "in"]
         seen: set[torch.fx.Node] = set()
         while stack:
