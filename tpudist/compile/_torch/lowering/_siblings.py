@@ -67,15 +67,15 @@ def export(flat: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.Exp
     except Exception as exc:  # noqa: BLE001 - whatever failed with layers stood in is decided by a full trace
         if not standing:
             raise
-        _refused[model] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _refused[model] = f"{type(exc).__name__}: {str(exc).partition(chr(10))[0]}"
     return torch.export.export(flat, args, kwargs, strict=False)
 
 
 @contextlib.contextmanager
 def standing_in(root: torch.nn.Module, model: torch.nn.Module) -> Iterator[bool]:
     """While torch.export traces `root`, the later layers of each run of identical layers stand in
-    as one node (see the module docstring); yields whether any run does. `model` (the user's module)
-    is remembered for this process when a run is refused, and not tried again."""
+    as one node (see the module docstring); yields whether any run does. None is tried for `model`
+    (the user's module) once one of its runs was refused in this process."""
     runs = [] if model in _refused or min_layers() == 0 or _global_hooks() else _runs(root)
     state = _State()
     patched = []
@@ -85,9 +85,6 @@ def standing_in(root: torch.nn.Module, model: torch.nn.Module) -> Iterator[bool]
                 patched.append((module, module.__dict__.get("forward")))
                 module.forward = _Forward(state, module, name, index, module.forward)
         yield bool(runs)
-    except Refused as exc:
-        _refused[model] = str(exc)
-        raise
     finally:
         for module, before in patched:
             if before is None:
@@ -134,11 +131,10 @@ def _signature(module: torch.nn.Module | None) -> tuple | None:
     if module is None:
         return None
     parts = []
-    for _, sub in module.named_modules(remove_duplicate=False):
+    for name, sub in module.named_modules(remove_duplicate=False):
         hooks = (sub._forward_hooks, sub._forward_pre_hooks, sub._backward_hooks, sub._backward_pre_hooks)
         if any(not getattr(hook, "noop_while_exporting", False) for table in hooks for hook in table.values()):
             return None  # (a hook on the layer runs outside its forward: traced for every layer)
-    for name, sub in module.named_modules(remove_duplicate=False):
         parts.append((name, type(sub), sub.training))
     for name, value in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         parts.append((name, tuple(value.shape), value.dtype, value.requires_grad, isinstance(value, torch.nn.Parameter)))
@@ -365,8 +361,6 @@ def check(program: torch.export.ExportedProgram) -> None:
     for name in names:
         region = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is not LAYER_MARK
                   and any(p == name or p.startswith(name + ".") for p in module_paths(n))}
-        if any(REMAT in (n.meta.get("custom") or {}) for n in region):  # (torch 2.15 marks it after the trace)
-            raise Refused(f"{name}: the first layer lies in a checkpointed region")
         stack = [n for n in gm.graph.nodes if n.target is LAYER_MARK and n.args[1] == name and n.args[2] == "in"]
         seen: set[torch.fx.Node] = set()
         while stack:
