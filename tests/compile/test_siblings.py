@@ -38,16 +38,19 @@ def _both(monkeypatch, model: torch.nn.Module, *args) -> tuple[list, list, list[
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int, scale: float = 1.0, keep: bool = False, in_place: bool = False):
+    def __init__(self, width: int, scale: float = 1.0, keep: bool = False, in_place: bool = False,
+                 draw: bool = False):
         super().__init__()
         self.fc = torch.nn.Linear(width, width)
-        self.scale, self.keep, self.in_place = scale, keep, in_place
+        self.scale, self.keep, self.in_place, self.draw = scale, keep, in_place, draw
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         RAN.append(self)  # (a side effect torch.export does not undo, as a cache's update)
         h = torch.nn.functional.dropout(torch.tanh(self.fc(x) * self.scale + bias), 0.2, self.training)
         if self.keep:
             self.kept = h * 2.0  # a value read after the run, not through the layer's output
+        if self.draw:
+            self.kept = torch.rand(h.shape[-1]) * 2.0  # the same, computed from no input: each layer its own draw
         if self.in_place:
             x.add_(1.0)
         return x + h
@@ -81,11 +84,12 @@ def test_later_layers_stand_in_and_decompose_to_the_graph_of_every_layer_traced(
     assert RAN == [*model.layers] * 2  # a layer's Python runs once per capture, in order
 
 
-@pytest.mark.parametrize("case", ["differs", "keeps", "in_place", "unchained"])
+@pytest.mark.parametrize("case", ["differs", "keeps", "draws", "in_place", "unchained"])
 def test_layers_that_cannot_stand_in_are_all_traced(monkeypatch, case):
     torch.manual_seed(1)
     model = {"differs": lambda: Model(depth=5),
              "keeps": lambda: Model(depth=4, keep=True, read_kept=True),
+             "draws": lambda: Model(depth=4, draw=True, read_kept=True),
              "in_place": lambda: Model(depth=4, in_place=True),
              "unchained": lambda: Model(depth=4, chained=False)}[case]()
     if case == "differs":

@@ -8,9 +8,10 @@ is traced once:
 - the first layer (the template) is traced as usual, except that its first use of each input and
   parameter goes through a `tpudist::layer_mark` ("in"), and each tensor it computes and returns
   through one ("out"): the marks `_collapse` puts on a fully traced run;
-- every later layer (a sibling) runs its Python on fake tensors with the tracer off, about a quarter
-  of the cost, and enters the graph as one `tpudist::layer` node reading its own inputs and
-  parameters in the template's mark order: the node `_collapse` makes of a fully traced layer.
+- every later layer (a sibling) runs its Python with the tracer off, each torch call answered with
+  what the template's gave (nothing computed: a tenth of the template's cost), and enters the graph
+  as one `tpudist::layer` node reading its own inputs and parameters in the template's mark order:
+  the node `_collapse` makes of a fully traced layer.
 
 `_collapse.expand` then copies the template's decomposition for every sibling, as for a run it
 collapsed itself. A sibling's Python still runs exactly once, as in a full trace, so its side
@@ -23,7 +24,8 @@ and autocast state; what the call gave. A sibling stands in only where its log, 
 equal the template's. Anything else raises `Refused`, and the export runs again with every layer
 traced: a log that differs, a layer called twice, the tracer recording while a sibling ran, a
 template that writes in place to what it reads or holds a higher-order op or a checkpointed region,
-and, after the export, a sibling's value read outside it (`check`).
+and, after the export, a layer's value read outside it other than through its outputs (`check`: a
+sibling's values are the template's, so one kept and read later would be the first layer's).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class _Template:
     outputs: tuple  # the output's tree spec and each leaf's role
     spec: str  # the out-marks' shapes, strides, dtypes and devices (tpudist::layer's `spec`)
     keep: list  # every object the log names by identity, kept alive
+    results: list  # per call, what it gave (as is, its tree spec, its leaves): what a later layer's call gives
 
 
 class _State:
@@ -220,13 +223,14 @@ class _Forward:
         spec = repr([(tuple(m.shape), tuple(m.stride()), str(m.dtype).removeprefix("torch."), str(m.device))
                      for m in marks_out])
         self.state.templates[self.run] = _Template(mode.tracer, inputs, log.entries, log.slots, (out_spec, roles),
-                                                   spec, log.keep)
+                                                   spec, log.keep, log.results)
         return pytree.tree_unflatten(given, out_spec)
 
     def _sibling(self, mode: Any, template: _Template, args: tuple, kwargs: dict) -> Any:
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         roles = self._roles(leaves)
-        log = _Log(roles, None, keep=template.keep)
+        log = _Log(roles, None, keep=template.keep, template=template,
+                   own={role: value for value, role in _owned(self.module, leaves, roles)})
         if (in_spec, [log.sig(leaf) for leaf in leaves]) != template.inputs:
             raise Refused(f"{self.run}: layer {self.index} is called with other inputs than the first")
         graph = mode.tracer.graph
@@ -235,13 +239,12 @@ class _Forward:
             out = self.original(*args, **kwargs)
         if len(graph.nodes) != count:
             raise Refused(f"{self.run}: layer {self.index} recorded graph nodes with the tracer off")
-        if log.entries != template.entries:
+        if len(log.entries) != len(template.entries):
             raise Refused(f"{self.run}: layer {self.index} runs other torch calls than the first")
         out_leaves, out_spec = pytree.tree_flatten(out)
         if (out_spec, [log.sig(leaf) for leaf in out_leaves]) != template.outputs:
             raise Refused(f"{self.run}: layer {self.index} gives other outputs than the first")
-        by_role = {role: value for value, role in _owned(self.module, leaves, roles)}
-        results = LAYER(self.run, self.index, template.spec, [by_role[role] for role in template.slots])
+        results = LAYER(self.run, self.index, template.spec, [log.own[role] for role in template.slots])
         given, slot = [], {}
         for leaf in out_leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) in log.produced:
@@ -265,14 +268,18 @@ def _after(graph: torch.fx.Graph, tail: torch.fx.Node | None) -> list[torch.fx.N
 
 
 class _Log(torch.overrides.TorchFunctionMode):
-    """Logs every torch call a layer's Python makes (see the module docstring); for a template
-    (`run` given), its first use of each input and parameter goes through an in-mark."""
+    """Logs every torch call a layer's Python makes (see the module docstring). A template's (`run`
+    given) first use of each input and parameter goes through an in-mark. A sibling's (`template`
+    given; `own`: its inputs and parameters by role) call is compared with the template's and, not
+    run, gives what the template's gave, with the sibling's own inputs and parameters in place."""
 
-    def __init__(self, roles: dict[int, tuple], run: str | None, keep: list | None = None) -> None:
+    def __init__(self, roles: dict[int, tuple], run: str | None, keep: list | None = None,
+                 template: "_Template | None" = None, own: dict[tuple, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.roles, self.run = roles, run
+        self.roles, self.run, self.template, self.own = roles, run, template, own or {}
         self.keep = keep if keep is not None else []
         self.entries: list[tuple] = []
+        self.results: list[tuple] = []
         self.slots: list[tuple] = []
         self.marks: dict[tuple, torch.Tensor] = {}
         self.produced: set[int] = set()
@@ -284,20 +291,39 @@ class _Log(torch.overrides.TorchFunctionMode):
         with torch._C.DisableTorchFunction():  # (reading metadata through the tracer's own modes costs 10x)
             state = _global_state()
             sig = [self.sig(leaf) for leaf in leaves]
+        j = len(self.entries)
+        if self.template is not None:
+            return self._replay(j, (func, spec, tuple(sig), state))
         if self.run is not None:
             leaves = [self._mark(leaf, role) for leaf, role in zip(leaves, sig)]
             args, kwargs = pytree.tree_unflatten(leaves, spec)
         out = func(*args, **kwargs)
-        j = len(self.entries)
-        given = pytree.tree_leaves(out)
+        given, out_spec = pytree.tree_flatten(out)
         with torch._C.DisableTorchFunction():
-            for m, value in enumerate(given):
-                if isinstance(value, torch.Tensor) and id(value) not in self.roles:
-                    self.roles[id(value)] = ("op", j, m)
-                    self.produced.add(id(value))
-                    self.alive.append(value)
+            self._produced(j, given)
             self.entries.append((func, spec, tuple(sig), state, tuple(self.sig(v) for v in given)))
+        self.results.append((out, out_spec, given))
         return out
+
+    def _replay(self, j: int, call: tuple) -> Any:
+        entries = self.template.entries
+        if j >= len(entries) or entries[j][:4] != call:
+            raise Refused(f"{call[0]}: a later layer makes another torch call than the first")
+        out, out_spec, leaves = self.template.results[j]
+        given = [self.own[sig[0]] if isinstance(leaf, torch.Tensor) and sig[0][0] in ("in", "param") else leaf
+                 for leaf, sig in zip(leaves, entries[j][4])]
+        self._produced(j, given)
+        self.entries.append(entries[j])
+        if all(a is b for a, b in zip(given, leaves)):
+            return out  # (as it was: a torch.Size stays one)
+        return pytree.tree_unflatten(given, out_spec)
+
+    def _produced(self, j: int, given: list) -> None:
+        for m, value in enumerate(given):
+            if isinstance(value, torch.Tensor) and id(value) not in self.roles:
+                self.roles[id(value)] = ("op", j, m)
+                self.produced.add(id(value))
+                self.alive.append(value)
 
     def _mark(self, leaf: Any, sig: tuple) -> Any:
         role = sig[0]
@@ -361,16 +387,10 @@ def check(program: torch.export.ExportedProgram) -> None:
     for name in names:
         region = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is not LAYER_MARK
                   and any(p == name or p.startswith(name + ".") for p in module_paths(n))}
-        stack = [n for n in gm.graph.nodes if n.target is LAYER_MARK and n.args[1] == name and n.args[2] == "in"]
-        seen: set[torch.fx.Node] = set()
-        while stack:
-            for user in stack.pop().users:
-                if user in seen or (user.target is LAYER_MARK and user.args[2] == "out"):
-                    continue
-                if user not in region:
-                    raise Refused(f"{name}: a value the first layer computed is read after it")
-                seen.add(user)
-                stack.append(user)
+        for node in region:  # (a later layer's Python holds the first layer's values: see `_Log`)
+            if any(user not in region and not (user.target is LAYER_MARK and user.args[2] == "out")
+                   for user in node.users):
+                raise Refused(f"{name}: a value the first layer computed is read after it")
     live = live_nodes(gm.graph)
     if any(n.target is LAYER_MARK and n.args[2] == "out" and n not in live for n in gm.graph.nodes):
         raise Refused("an output of a first layer is read by nothing")  # (the decomposition would drop it)
