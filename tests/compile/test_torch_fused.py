@@ -216,6 +216,24 @@ def test_changes_made_from_torch_between_steps_are_used():
     assert step.stats.state_reloads > 0
 
 
+def test_parameters_frozen_and_unfrozen_between_steps_train_as_in_eager_torch():
+    """Freezing a layer for some steps and training it again (`requires_grad_`), as fine-tuning does:
+    a frozen parameter keeps its value and optimizer state, and starts its own Adam steps when
+    trained again."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    step = tpudist.compile_train_step(model, F.cross_entropy, opt)
+    data = batches(count=6)
+    for i, batch in enumerate(data):
+        for m in (model, ref):
+            m[0].requires_grad_(i >= 2)  # the first layer frozen for two steps
+            m[3].weight.requires_grad_(i not in (3, 4))  # the last weight frozen in the middle
+        step(batch)
+        eager_train(ref, ref_opt, [batch])
+    assert_same_state(model, ref)
+    assert_same_optimizer_state(opt, ref_opt)
+
+
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd_momentum", "adam"])
 @settings(max_examples=3, deadline=None, database=None, derandomize=True)  # each example: a capture, a compile
 @given(shapes=st.lists(hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5), min_size=2, max_size=6),

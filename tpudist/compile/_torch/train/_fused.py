@@ -143,7 +143,8 @@ class TrainStep:
                 rows = self._last_rows
         self.stats.calls += 1
         _stacks.entered("train step")  # progress for the launcher's --hang-timeout
-        flags = tuple([m.training for m in self._submodules])
+        # train/eval modes and which parameters are trained (a layer frozen or unfrozen between steps)
+        flags = tuple([m.training for m in self._submodules] + [e.param.requires_grad for e in self.layout.entries])
         same_structure = not self.groups.changed() or not self.groups.restructured()
         last = self._last
         if last is not None and keys == self._last_keys and flags == last.flags and spec == last.spec \

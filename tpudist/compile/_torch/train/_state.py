@@ -162,8 +162,8 @@ class Mirror(DeviceState):
         if self.torch_current or not self.device_current:
             return  # torch holds the newest values already
         from tpudist import _profile
-        try:
-            with _profile.span("tpudist.torch_sync", arrays=len(self.layout)):
+        try:  # (concrete values even where torch code runs while a step is traced: a deferred decomposition)
+            with _profile.span("tpudist.torch_sync", arrays=len(self.layout)), jax.ensure_compile_time_eval():
                 self._sync()
         except BaseException:
             self._mark()  # still stale: a later read tries again
