@@ -113,6 +113,30 @@ def test_a_fused_training_step_over_scanned_layers_matches_torch_optim():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_layers_with_their_own_adam_step_counts_train_as_torch_optim():
+    """The step takes a run's weights as one stack; each layer's copy keeps its own Adam step count
+    (here layer 1 was frozen for the first two steps, so its bias corrections start later), and
+    weights too large for the pool (40x40) are stacked as well."""
+    torch.manual_seed(4)
+    model = Stack(depth=4, width=40)
+    eager = copy.deepcopy(model)
+    loss_fn = torch.nn.functional.cross_entropy
+    step = tpudist.compile_train_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for i in range(4):
+        for m in (model, eager):
+            m.layers[1].requires_grad_(i >= 2)
+        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+        loss = step((x, y))
+        eager_opt.zero_grad()
+        want = loss_fn(eager(x), y)
+        want.backward()
+        eager_opt.step()
+        torch.testing.assert_close(float(loss), want.item(), rtol=1e-5, atol=1e-6)
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
 class DropBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.nn.functional.dropout(torch.ones_like(x), p=0.5, training=self.training)

@@ -34,6 +34,7 @@ from tpudist.compile._torch._custom_ops import ATTENTION, STOP_GRADIENT
 from tpudist.compile._torch.lowering._repeated_heads import erase_unused, unrepeated
 from tpudist.compile._torch.lowering._captured import CaptureError, Captured, module_path, plumbing
 from tpudist.compile._torch.lowering._outputs import FlatOutputs
+from tpudist.compile._torch.lowering._layers import min_layers
 from tpudist.compile._torch.lowering._decompose import decompose, decompositions as _decompositions
 from tpudist.compile._torch.lowering._experts import check_experts, experts_as_one_op
 from tpudist.compile._torch.lowering.ops.ctc import CtcAsOneOp
@@ -137,7 +138,7 @@ def _capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, where: str, 
         check_shapes(program.graph_module.graph)  # what torch's kernels refuse and its meta kernels let through
         template = flat.template()
         assert template is not None, "the traced forward did not run"
-        key = _capture_cache.key_of(program, (autocast, experts, check_ops, torch_autograd)) \
+        key = _capture_cache.key_of(program, (autocast, experts, check_ops, torch_autograd, min_layers())) \
             if cache and guard is None else None
         entry = _capture_cache.load("capture", key) if key is not None else None
         if entry is not None:

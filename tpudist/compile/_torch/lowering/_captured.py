@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from tpudist.compile._torch._custom_ops import COLLECTIVE_OPS, STOP_GRADIENT
 from tpudist.compile._torch.lowering import _custom_grad
+from tpudist.compile._torch.lowering._layers import find_scans, min_layers
 from tpudist.compile._torch.lowering._outputs import FlatOutputs, Template
 from tpudist.compile._torch.lowering._registry import UnsupportedOpError, is_random
 
@@ -76,13 +77,16 @@ class Captured:
     reaches: list[frozenset[int]] = field(default_factory=list)
     # per graph output: (shape, dtype) of a tensor, else None
     output_values: list[tuple[tuple[int, ...], torch.dtype] | None] = field(default_factory=list)
+    # per weight of a run of identical layers lowered as one scan (`_layers.find_scans`), read from a
+    # graph input in every layer: those inputs' positions among the non-literal inputs, layer by layer
+    layer_runs: list[list[int]] = field(default_factory=list)
     # the data-dependent values this capture specialised on (an `_observed.Guard`), checked per call
     guard: Any = None
     key: str | None = None     # its step cache key (`_capture_cache`), where cached
     pending: Callable[[], "Captured"] | None = None  # a cache hit's decomposition, not yet run
 
     # what the decomposed graph tells, kept in a step cache entry
-    TOLD = ("inputs", "outputs", "has_random", "collective", "op_counts", "reaches", "output_values")
+    TOLD = ("inputs", "outputs", "has_random", "collective", "op_counts", "reaches", "output_values", "layer_runs")
 
     def complete(self) -> "Captured":
         """A cache hit's graph decomposed (as a miss has it), checked against the entry; a no-op
@@ -190,7 +194,15 @@ def plumbing(program: torch.export.ExportedProgram, template: Template) -> Captu
     return Captured(graph=program.graph, inputs=inputs, outputs=outputs, template=template,
                     constants=dict(program.constants), has_random=has_random, collective=collective,
                     op_counts=counts, reaches=reaches,
-                    output_values=[(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in values])
+                    output_values=[(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in values],
+                    layer_runs=_layer_runs(ops, tensor_placeholders))
+
+
+def _layer_runs(ops: list[torch.fx.Node], tensor_placeholders: list[torch.fx.Node]) -> list[list[int]]:
+    """`Captured.layer_runs`: the stacked values of the scans `lower` will make that are graph inputs."""
+    position = {node: i for i, node in enumerate(tensor_placeholders)}
+    return [[position[v] for v in values] for scan in find_scans(ops, min_layers())
+            for values in scan.stacked.values() if all(v in position for v in values)]
 
 
 def _user_float_outputs(program: torch.export.ExportedProgram, signature: Any) -> list[torch.fx.Node | None]:

@@ -24,7 +24,7 @@ from tpudist.compile._torch.lowering._custom_grad import REMAT
 from tpudist.compile._torch.lowering._layers import Scan, find_scans, min_layers
 from tpudist.compile._torch.lowering._pieces import piece as _piece, sibling_pieces as _sibling_pieces
 from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, STAGE_AXIS, current, sequence_split
-from tpudist.compile._torch.lowering._pipeline import check_scan, pipelined_scan, run_pipelined
+from tpudist.compile._torch.lowering._pipeline import Rows, check_scan, pipelined_scan, run_pipelined
 from tpudist.compile._torch.lowering._registry import IGNORED_OPS, UnsupportedOpError, is_random, lookup
 from tpudist.compile._torch.lowering.ops import linalg
 
@@ -59,13 +59,19 @@ def lower(captured: Captured, scan: bool = True,
         assert len(tensors) == len(tensor_placeholders), (len(tensors), len(tensor_placeholders))
         layout = current()  # context parallelism: activations kept split over the sequence
         split = layout is not None and layout.sequence is not None and layout.size(CONTEXT_AXIS) > 1
-        env: dict[torch.fx.Node, Any] = dict(literals)
-        env.update(zip(tensor_placeholders, tensors))
         if microbatches is not None:
+            env: dict[torch.fx.Node, Any] = dict(literals)
+            env.update(zip(tensor_placeholders, tensors))
             staged = check_scan(pipelined_scan(scans), layout.size(STAGE_AXIS))
             return run_pipelined(steps, staged, env, batch_nodes, key, microbatches, layout,
                                  lambda step, local, k: _step(step, local, pieces, k, positions, False),
                                  lambda shared, k: _layer(staged, shared, pieces, k, positions), output.args[0], _read)
+        env = _Env(literals)
+        for node, tensor in zip(tensor_placeholders, tensors):
+            if isinstance(tensor, Rows):
+                env.rows[node] = tensor
+            else:
+                env[node] = tensor
         for step in steps:
             _step(step, env, pieces, key, positions, split)
         return tuple(_read(value, env) for value in output.args[0])
@@ -119,12 +125,39 @@ class _Region:
 def _scan(scan: Scan, env: dict, pieces: dict, key: Any, positions: dict) -> None:
     """A run of identical layers as one `lax.scan` (see _layers): layer 0's nodes are the body, each
     layer's weights are stacked and scanned over, the hidden state is carried."""
-    rows = [jnp.stack([env[value] for value in scan.stacked[node]]) for node in scan.stacked]
+    rows = [_stacked(scan.stacked[node], env) for node in scan.stacked]
     step = _layer(scan, {node: env[node] for node in scan.shared}, pieces, key, positions)
     _, outputs = lax.scan(step, tuple(env[node] for node in scan.carried), (jnp.arange(len(scan.layers)), rows))
     for k, values in zip(scan.outputs, outputs):
         for i, nodes in enumerate(scan.layers):
             env[nodes[k]] = jax.tree_util.tree_map(lambda v, i=i: v[i], values)
+
+
+class _Env(dict):
+    """The values of a graph's nodes; a graph input given as a row of a stacked array (`Rows`: a layer's
+    weight the step holds with its run's other layers) is cut out of it only where something reads it
+    alone, not where the run's scan takes the whole stack (`_stacked`)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.rows: dict[torch.fx.Node, Rows] = {}
+
+    def __missing__(self, node: torch.fx.Node) -> Any:
+        if node not in self.rows:
+            raise KeyError(node)
+        rows = self.rows[node]
+        value = self[node] = rows.stack[rows.index]
+        return value
+
+
+def _stacked(values: list[torch.fx.Node], env: dict) -> Any:
+    """The layers' values of one weight as one array, layer by layer: the step's stack itself when the
+    values are its rows in order, else stacked here."""
+    given = [env.rows.get(v) for v in values] if isinstance(env, _Env) else []
+    if given and all(g is not None and g.stack is given[0].stack for g in given) \
+            and [g.index for g in given] == list(range(given[0].stack.shape[0])):
+        return given[0].stack
+    return jnp.stack([env[value] for value in values])
 
 
 def _layer(scan: Scan, shared: dict, pieces: dict, key: Any, positions: dict) -> Callable[[tuple, tuple], tuple]:

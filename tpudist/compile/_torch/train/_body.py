@@ -51,25 +51,31 @@ class StepOutputs(NamedTuple):
 
 def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: int, accumulate: int,
               random: bool, max_norm: float | None, collective: bool = True,
-              together_bytes: int = 0) -> Callable[..., StepOutputs]:
+              together_bytes: int = 0, rows: dict[int, tuple[int, int]] | None = None) -> Callable[..., StepOutputs]:
     """The per-device step for one captured graph (`run`, from `_lower.lower`).
 
     `collective=False` (one device, nothing sharded: the caller then passes the batch and the
     signal replicated, so every value is the same on "all" devices) leaves the averaging out:
     XLA:CPU keeps an all-reduce even over one device, a copy of every gradient plus a fixed cost
     (~150 us a step on the transformer benchmark). Parameters of up to `together_bytes` take
-    their optimizer update together (`_optim.update_all`: where the pool packs them anyway)."""
+    their optimizer update together (`_optim.update_all`: where the pool packs them anyway).
+
+    `rows` (layout position -> (the position holding its stack, its row)): runs of layers' parameters
+    the step takes stacked at their first position (None at the others), with their optimizer state
+    the same way; a run's scan takes the stack whole (`_pool.stacked_cut`)."""
     vary = (lambda x: lax.pcast(x, AXIS, to="varying")) if collective else (lambda x: x)
     bucket = bucket_bytes()
     mean = (lambda xs: bucketed_mean(xs, AXIS, bucket)) if collective else (lambda xs: xs)
-    trainable = plan.trainable
+    rows = rows or {}
+    trainable = [i for i in plan.trainable if rows.get(i, (i,))[0] == i]  # each stack once, at its first entry
+    count_rows, layers = _count_rows(trainable, rows)
     entries = layout.entries
     sharded = [entries[i].sharded for i in trainable]
     configs = [entries[i].config for i in trainable]
     groups = [entries[i].group for i in trainable]
     stepped = np.zeros(len(layout), np.float32)
-    stepped[trainable] = 1.0  # whose step count advances
-    gradient = _gradient(plan, run)
+    stepped[plan.trainable] = 1.0  # whose step count advances
+    gradient = _gradient(plan, run, trainable, rows)
 
     def accumulated(own, params, fixed, updated, batch, key):
         """Gradients summed over `accumulate` slices of the batch, run one after another (the
@@ -106,8 +112,7 @@ def make_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, devices: i
             grads = _clip(grads, sharded, max_norm)
         new_params, new_states = list(params), list(states)
         updates = _optim.update_all(configs, groups, [params[i] for i in trainable], grads,
-                                    [states[i] for i in trainable], hyper, counts[np.asarray(trainable, np.int32)],
-                                    together_bytes)
+                                    [states[i] for i in trainable], hyper, counts[count_rows], together_bytes, layers)
         for i, p, s in zip(trainable, *updates):
             new_params[i], new_states[i] = p, s
         if collective:
@@ -176,6 +181,17 @@ def bucketed_mean(xs: list[jax.Array], axis: str, bucket_bytes: int = BUCKET_BYT
             out[i] = flat[start:start + xs[i].size].reshape(xs[i].shape)
             start += xs[i].size
     return out
+
+
+def _count_rows(trainable: list[int], rows: dict[int, tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+    """For `_optim.update_all` of the parameters at `trainable` (a stack at a run's first position):
+    the positions of their step counts (each layer of a stack its own) and each one's layers (0: not
+    a stack)."""
+    members: dict[int, list[int]] = {}
+    for i, (first, row) in sorted(rows.items(), key=lambda item: item[1]):
+        members.setdefault(first, []).append(i)
+    positions = [i for j in trainable for i in members.get(j, [j])]
+    return np.asarray(positions, np.int32), [len(members.get(j, ())) for j in trainable]
 
 
 def _gradient(plan: Plan, run: Callable[..., Any], trainable: list[int] | None = None,
@@ -275,6 +291,7 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
     stepped = np.zeros(len(layout), np.float32)
     stepped[plan.trainable] = 1.0
     gradient = _gradient(plan, run, trainable, rows, per_micro=stacking is not None)
+    count_rows, layers = _count_rows(trainable, rows)
 
     def micro(b):
         per = b.shape[0] // (batch_shards * accumulate)  # each batch shard's rows per micro-batch
@@ -304,7 +321,7 @@ def make_global_body(plan: Plan, layout: Layout, run: Callable[..., Any], *, spe
             grads = _clip(grads, [False] * len(grads), max_norm)
         new_params, new_states = list(params), list(states)
         updates = _optim.update_all(configs, groups, [params[i] for i in trainable], grads,
-                                    [states[i] for i in trainable], hyper, counts[np.asarray(trainable, np.int32)])
+                                    [states[i] for i in trainable], hyper, counts[count_rows], layers=layers)
         for i, p, s in zip(trainable, *updates):
             new_params[i], new_states[i] = p, s
         if signal is not None:

@@ -164,20 +164,34 @@ def update(cfg: ParamConfig, param: jax.Array, grad: jax.Array, state: tuple[jax
 
 def update_all(configs: list[ParamConfig], groups: list[int], params: list[jax.Array], grads: list[jax.Array],
                states: list[tuple[jax.Array, ...]], hyper: jax.Array, counts: jax.Array,
-               together_bytes: int = 0) -> tuple[list[jax.Array], list[tuple[jax.Array, ...]]]:
+               together_bytes: int = 0,
+               layers: list[int] | None = None) -> tuple[list[jax.Array], list[tuple[jax.Array, ...]]]:
     """`update` for every parameter (`counts`: their step counts, a vector): (new params, new
-    states) in the order given, their scalars computed together (`coefficients`).
+    states) in the order given, their scalars computed together (`coefficients`). `layers[j]`, where
+    not 0: `params[j]` (with its gradient and state) is that many layers' copies of one parameter
+    stacked on a first dim, each copy with its own step count in `counts` (in order), so each row
+    takes the update its own parameter would.
 
-    Parameters of up to `together_bytes` that share a configuration, group and dtype are updated
-    as one concatenated array (torch's foreach), each element with its parameter's scalars, so
-    the numbers are `update`'s. Only where their pieces are concatenated again in the same order
+    Parameters of up to `together_bytes` (per layer) that share a configuration, group and dtype are
+    updated as one concatenated array (torch's foreach), each element with its parameter's scalars,
+    so the numbers are `update`'s. Only where their pieces are concatenated again in the same order
     (the one-device pool, `_pool.flatten_state`), so XLA sees whole runs and cuts nothing."""
     if not configs:
         return [], []
-    scalars = coefficients(configs[0].kind, hyper, groups, counts)
+    layers = list(layers or [0] * len(params))
+    rows = [max(1, n) for n in layers]  # columns of `scalars` per parameter
+    first = np.cumsum([0] + rows)
+    scalars = coefficients(configs[0].kind, hyper, [g for g, n in zip(groups, rows) for _ in range(n)], counts)
+
+    def column(j: int) -> jax.Array:
+        """Parameter j's scalars: a column, or one per layer shaped to broadcast over its stack."""
+        if not layers[j]:
+            return scalars[:, first[j]]
+        return scalars[:, first[j]:first[j + 1]].reshape((scalars.shape[0], layers[j]) + (1,) * (params[j].ndim - 1))
+
     sets: dict[Any, list[int]] = {}
     for j, (cfg, group, p, s) in enumerate(zip(configs, groups, params, states)):
-        small = p.size * p.dtype.itemsize <= together_bytes
+        small = p.size // rows[j] * p.dtype.itemsize <= together_bytes
         sets.setdefault((cfg, group, p.dtype, tuple(a.dtype for a in s)) if small else j, []).append(j)
     new_params: list[Any] = [None] * len(params)
     new_states: list[Any] = [None] * len(params)
@@ -185,11 +199,13 @@ def update_all(configs: list[ParamConfig], groups: list[int], params: list[jax.A
         j = members[0]
         if len(members) == 1:
             new_params[j], new_states[j] = update(configs[j], params[j], grads[j], tuple(states[j]),
-                                                  hyper[groups[j]], scalars[:, j])
+                                                  hyper[groups[j]], column(j))
             continue
         sizes = [params[i].size for i in members]
+        columns = np.concatenate([np.arange(first[i], first[i + 1]) for i in members])
+        per_column = np.concatenate([[params[i].size // rows[i]] * rows[i] for i in members])
         flat = lambda arrays: jnp.concatenate([a.reshape(-1) for a in arrays])  # noqa: E731
-        each = jnp.repeat(scalars[:, np.asarray(members)], np.asarray(sizes), axis=1, total_repeat_length=sum(sizes))
+        each = jnp.repeat(scalars[:, columns], per_column, axis=1, total_repeat_length=sum(sizes))
         param, state = update(configs[j], flat([params[i] for i in members]), flat([grads[i] for i in members]),
                               tuple(flat([states[i][k] for i in members]) for k in range(len(states[j]))),
                               hyper[groups[j]], each)

@@ -25,8 +25,8 @@ from tpudist.compile._torch.lowering._lower import lower
 from tpudist.compile._torch.lowering._parallel import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS, MeshLayout, laid_out
 from tpudist.compile._torch.train._body import StepOutputs, make_body, make_global_body
 from tpudist.compile._torch.train._plan import Layout, Objective, plan
-from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, unflatten_state
-from tpudist.compile._torch.train._stages import Stacking, stage_groups
+from tpudist.compile._torch.train._pool import POOL_MAX_BYTES, StatePool, flatten_state, stacked_cut, stacked_pack
+from tpudist.compile._torch.train._stages import Stacking, layer_groups, stage_groups
 from tpudist.compile._torch.train._stored import StoredStep, stand_in
 from tpudist.compile._torch.train._state import Mirror
 
@@ -78,11 +78,15 @@ class Signature:
         else:
             collective = _averages(devices, layout)
 
+            # one device: a run of layers' weights cut from the pool as one stack each (`_pool.stacked_cut`)
+            groups = layer_groups(captured, self.plan, layout) if mirror.pool.pooled else []
+
             def build(run: Callable[..., Any]) -> Callable[..., StepOutputs]:
                 made = make_body(self.plan, layout, run, devices=devices, accumulate=accumulate,
                                  random=self.random, max_norm=max_grad_norm, collective=collective,
-                                 together_bytes=POOL_MAX_BYTES if mirror.pool.pooled else 0)
-                return _pooled(made, mirror.pool) if mirror.pool.pooled else made
+                                 together_bytes=POOL_MAX_BYTES if mirror.pool.pooled else 0,
+                                 rows={i: (group[0], row) for group in groups for row, i in enumerate(group)})
+                return _pooled(made, mirror.pool, groups) if mirror.pool.pooled else made
 
             body = build(_lowered(captured))
             if captured.key is not None:
@@ -198,17 +202,16 @@ def _staging(placement: Placement, example: Any, batch_leaves: list[int], rows: 
         return None
 
 
-def _pooled(body: Callable[..., StepOutputs], state: StatePool) -> Callable[..., StepOutputs]:
+def _pooled(body: Callable[..., StepOutputs], state: StatePool, groups: list[list[int]]) -> Callable[..., StepOutputs]:
     """`body` taking and returning the parameters and optimizer state as the pool (see `_pool`),
-    cut into arrays as the step starts and packed again as it ends, in the pool's layout when the
-    step is traced."""
+    cut into arrays as the step starts (`groups`' as one stack each, `stacked_cut`) and packed
+    again as it ends, in the pool's layout when the step is traced."""
     def pooled(pool, fixed, updated, _states, *rest):
         packing = state.packing
-        params, states = unflatten_state(packing.split(pool), state.layout)
+        params, states = stacked_cut(packing, pool, state.layout, groups)
         out = body(params, fixed, updated, states, *rest)
         # each array back in the dtype its place in the pool has, so the pool keeps its layout
-        flat = [a.astype(dtype) for a, dtype in zip(flatten_state(out.params, out.states), packing.dtypes)]
-        return out._replace(params=packing.pack(flat), states=[])
+        return out._replace(params=stacked_pack(packing, state.layout, out.params, out.states, groups), states=[])
 
     return pooled
 

@@ -122,6 +122,27 @@ def stage_groups(captured: "Captured", plan: "Plan", layout: "Layout", stages: i
     return groups
 
 
+def layer_groups(captured: "Captured", plan: "Plan", layout: "Layout") -> list[list[int]]:
+    """The layout positions of each parameter the step can hand a run's scan stacked (one device, see
+    `_signature._pooled`), in layer order: every layer's copy a distinct parameter of one shape, dtype,
+    param group and update rule, trained in all layers or in none. Others are stacked inside the scan."""
+    from tpudist.compile._torch.train._plan import Feed
+    trained = set(plan.trainable)
+    groups = []
+    for run in captured.layer_runs:
+        sources = [plan.slots[i] for i in run]
+        positions = [s.index for s in sources if s.kind == Feed.PARAM]
+        if len(positions) != len(run) or len(set(positions)) != len(positions):
+            continue
+        entries = [layout.entries[i] for i in positions]
+        params = [e.param for e in entries]
+        if len({(e.config, e.group, e.sharded, p.shape, p.dtype) for e, p in zip(entries, params)}) != 1 \
+                or len({i in trained for i in positions}) != 1:
+            continue
+        groups.append(positions)
+    return groups
+
+
 def _stacked_name(names: list[str]) -> str:
     """"layers.0.w", "layers.1.w", ... -> "layers.*.w" (the first place the names differ)."""
     first = names[0].split(".")

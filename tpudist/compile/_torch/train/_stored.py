@@ -23,6 +23,7 @@ from tpudist.compile._efficiency import model_flops
 from tpudist.compile._torch._convert import jax_dtype
 from tpudist.compile._torch.lowering import _capture_cache
 from tpudist.compile._torch.lowering._layers import min_layers
+from tpudist.compile._torch.lowering._pipeline import Rows
 from tpudist.compile._torch.train._body import StepOutputs
 
 log = logging.getLogger("tpudist.compile")
@@ -39,7 +40,8 @@ def stand_in(captured: Any) -> Callable[..., tuple]:
 
     def run(tensors: Any, key: Any) -> tuple:
         # zeros varying over the mesh axes the inputs vary over, as the graph's outputs do (under shard_map)
-        axes = tuple(sorted({axis for t in tensors for axis in getattr(jax.typeof(t), "vma", ())}))
+        axes = tuple(sorted({axis for t in tensors
+                             for axis in getattr(jax.typeof(t.stack if isinstance(t, Rows) else t), "vma", ())}))
         zeros = [None if s is None else jnp.zeros(*s) for s in shapes]
         return tuple(z if z is None or not axes else jax.lax.pvary(z, axes) for z in zeros)
 
