@@ -143,7 +143,6 @@ class TrainStep:
                 rows = self._last_rows
         self.stats.calls += 1
         _stacks.entered("train step")  # progress for the launcher's --hang-timeout
-        # train/eval modes and which parameters are trained (a layer frozen or unfrozen between steps)
         flags = tuple([m.training for m in self._submodules] + [e.param.requires_grad for e in self.layout.entries])
         same_structure = not self.groups.changed() or not self.groups.restructured()
         last = self._last
@@ -292,7 +291,7 @@ def _tiled(leaf: Any, rows: int, times: int) -> Any:
 class _Last(NamedTuple):
     """What the last step's signature was chosen by (checked first: a steady loop's whole lookup)."""
 
-    flags: tuple[bool, ...]
+    flags: tuple[bool, ...]  # train/eval modes, then which parameters train (a layer frozen between steps)
     spec: TreeSpec
     autocast: tuple
     program: Signature
