@@ -180,6 +180,8 @@ def start_daemon(index: int, pid_dir: str, fail: bool) -> int:
     while not os.path.exists(os.path.join(pid_dir, str(index))):
         time.sleep(0.01)
     if fail and index == 1:
+        while not os.path.exists(os.path.join(pid_dir, "0")):  # (the other's daemon up too: the failure ends both)
+            time.sleep(0.01)
         raise RuntimeError("failed after starting a daemon")
     return index
 
