@@ -94,14 +94,15 @@ def test_layers_that_differ_or_read_two_back_are_lowered_one_by_one_and_match_ea
     _assert_matches_eager(mixed, x)
 
 
-def test_a_fused_training_step_over_scanned_layers_matches_torch_optim():
-    torch.manual_seed(2)
-    model = Stack(depth=4)
+def _trains_as_torch_optim(model: torch.nn.Module, steps: int, before_step=lambda i, m: None) -> None:
+    """`steps` fused AdamW steps equal torch.optim's on a copy (`before_step(i, m)` runs on both)."""
     eager = copy.deepcopy(model)
     loss_fn = torch.nn.functional.cross_entropy
     step = tpudist.compile_train_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2))
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for i in range(3):
+    for i in range(steps):
+        for m in (model, eager):
+            before_step(i, m)
         x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
         loss = step((x, y))
         eager_opt.zero_grad()
@@ -111,6 +112,11 @@ def test_a_fused_training_step_over_scanned_layers_matches_torch_optim():
         torch.testing.assert_close(float(loss), want.item(), rtol=1e-5, atol=1e-6)
     for name, value in eager.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_fused_training_step_over_scanned_layers_matches_torch_optim():
+    torch.manual_seed(2)
+    _trains_as_torch_optim(Stack(depth=4), 3)
 
 
 def test_layers_with_their_own_adam_step_counts_train_as_torch_optim():
@@ -118,23 +124,7 @@ def test_layers_with_their_own_adam_step_counts_train_as_torch_optim():
     (here layer 1 was frozen for the first two steps, so its bias corrections start later), and
     weights too large for the pool (40x40) are stacked as well."""
     torch.manual_seed(4)
-    model = Stack(depth=4, width=40)
-    eager = copy.deepcopy(model)
-    loss_fn = torch.nn.functional.cross_entropy
-    step = tpudist.compile_train_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for i in range(4):
-        for m in (model, eager):
-            m.layers[1].requires_grad_(i >= 2)
-        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-        loss = step((x, y))
-        eager_opt.zero_grad()
-        want = loss_fn(eager(x), y)
-        want.backward()
-        eager_opt.step()
-        torch.testing.assert_close(float(loss), want.item(), rtol=1e-5, atol=1e-6)
-    for name, value in eager.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    _trains_as_torch_optim(Stack(depth=4, width=40), 4, lambda i, m: m.layers[1].requires_grad_(i >= 2))
 
 
 class DropBlock(torch.nn.Module):

@@ -161,14 +161,13 @@ def stacked_cut(packing: Packing, pool: list[jax.Array], layout: "Layout",
     def stack(members: list[int]) -> jax.Array:
         shape, count = packing.shapes[members[0]], len(members)
         size = math.prod(shape)
-        buffers = {where[m][0] for m in members}
-        offsets = [where[m][1] for m in members]
-        step = offsets[1] - offsets[0] if None not in offsets else 0
-        if len(buffers) != 1 or step < size or offsets != [offsets[0] + k * step for k in range(count)]:
+        regular = _regular(members, where)
+        if regular is None or regular[2] < size:
             return jnp.stack([piece(m) for m in members])
-        flat = pool[buffers.pop()]
-        end = offsets[0] + count * step
-        view = lax.slice(flat, (offsets[0],), (min(end, flat.shape[0]),))
+        buffer, start, step = regular
+        flat = pool[buffer]
+        end = start + count * step
+        view = lax.slice(flat, (start,), (min(end, flat.shape[0]),))
         if end > flat.shape[0]:  # the last layer's step runs past the buffer: pad it, the pad is never read
             view = jnp.pad(view, (0, end - flat.shape[0]))
         view = view.reshape(count, step)
@@ -237,13 +236,10 @@ def _blocks(packing: Packing, where: dict, runs: list[tuple[list[int], jax.Array
     import jax.numpy as jnp
     regular: dict[tuple[int, int, int], list[tuple[int, int, jax.Array]]] = {}  # (buffer, step, layers) -> runs
     for members, stack in runs:
-        buffers = {where[m][0] for m in members}
-        offsets = [where[m][1] for m in members]
-        if len(buffers) != 1 or None in offsets or len(members) < 2:
-            continue
-        step = offsets[1] - offsets[0]
-        if offsets == [offsets[0] + k * step for k in range(len(members))]:
-            regular.setdefault((buffers.pop(), step, len(members)), []).append((offsets[0], members[0], stack))
+        found = _regular(members, where)
+        if found is not None:
+            buffer, start, step = found
+            regular.setdefault((buffer, step, len(members)), []).append((start, members[0], stack))
     blocks = {}
     for (_, step, layers), found in regular.items():
         found.sort(key=lambda run: run[0])
@@ -260,6 +256,19 @@ def _blocks(packing: Packing, where: dict, runs: list[tuple[list[int], jax.Array
             else:
                 at += 1
     return blocks
+
+
+def _regular(members: list[int], where: dict) -> tuple[int, int, int] | None:
+    """(buffer, first offset, step) where these packed arrays lie in one pool buffer at equal steps;
+    None otherwise."""
+    buffers = {where[m][0] for m in members}
+    offsets = [where[m][1] for m in members]
+    if len(buffers) != 1 or None in offsets or len(members) < 2:
+        return None
+    step = offsets[1] - offsets[0]
+    if step <= 0 or offsets != [offsets[0] + k * step for k in range(len(members))]:
+        return None
+    return buffers.pop(), offsets[0], step
 
 
 def _places(packing: Packing, count: int) -> dict[int, tuple[int, int | None]]:
